@@ -1,0 +1,30 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean install
+
+install: $(STAMP)
+
+# torch is pinned first: these machines hold a CPU wheel of 2.13.0; an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/collectives_demo.py
+
+test: $(STAMP)
+	mkdir -p .tmp
+	TMPDIR=$(CURDIR)/.tmp OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(PY) -m pytest --basetemp=$(CURDIR)/.tmp/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) .tmp

@@ -1,0 +1,41 @@
+"""hasten: one ordinary PyTorch training loop on a CPU, GPUs or many machines, with Accelerate's API.
+
+Public names are imported lazily so that ``import hasten`` (and ``hasten launch``) start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "PartialState": "hasten.state",
+    "AcceleratorState": "hasten.state",
+    "GradientState": "hasten.state",
+    "DistributedType": "hasten.utils.dataclasses",
+    "InitProcessGroupKwargs": "hasten.utils.dataclasses",
+    "DistributedDataParallelKwargs": "hasten.utils.dataclasses",
+    "GradScalerKwargs": "hasten.utils.dataclasses",
+    "AutocastKwargs": "hasten.utils.dataclasses",
+    "DataLoaderConfiguration": "hasten.utils.dataclasses",
+    "DDPCommunicationHookType": "hasten.utils.dataclasses",
+    "synchronize_rng_states": "hasten.ops.random",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hasten' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605

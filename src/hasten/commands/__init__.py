@@ -1,0 +1,1 @@
+"""The ``hasten`` command line (imported by nothing else in the library)."""

@@ -1,0 +1,40 @@
+"""``hasten`` entry point: one argparse root, each subcommand module exposes ``register(subparsers)``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules are imported only when present, so the CLI grows with the library.
+SUBCOMMANDS = ("config", "launch", "test", "env", "estimate_memory", "merge_weights", "to_fsdp2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser("hasten", usage="hasten <command> [<args>]",
+                                     description="Run PyTorch training on any hardware with one loop.")
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"hasten.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"hasten.commands.{name}":
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``hasten`` command line."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 1
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

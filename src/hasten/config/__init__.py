@@ -1,0 +1,1 @@
+"""Launch configuration: the YAML file format, its loading and the one environment channel."""

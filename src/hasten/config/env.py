@@ -1,0 +1,62 @@
+"""The one reader of ``HASTEN_*`` variables.
+
+``hasten launch`` passes a single variable, ``HASTEN_LAUNCH_CONFIG`` (JSON of the launch configuration),
+plus torchrun's standard variables. A few switches are also honoured on their own so that plain
+``python``/``torchrun`` users can set them: ``HASTEN_DEBUG_MODE`` and ``HASTEN_LOG_LEVEL``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from hasten.utils.environment import str_to_bool
+
+LAUNCH_CONFIG_VAR = "HASTEN_LAUNCH_CONFIG"
+DEBUG_MODE_VAR = "HASTEN_DEBUG_MODE"
+LOG_LEVEL_VAR = "HASTEN_LOG_LEVEL"
+
+
+def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def launch_config_dict(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The launch configuration passed by ``hasten launch`` as a plain dict ({} when absent)."""
+    raw = _env(env).get(LAUNCH_CONFIG_VAR)
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{LAUNCH_CONFIG_VAR} is not valid JSON ({exc}); it is written by `hasten launch`, "
+                         "unset it if you set it by hand") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{LAUNCH_CONFIG_VAR} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def launch_config_to_env(config: Mapping[str, Any]) -> dict[str, str]:
+    """Encode a launch configuration for a worker's environment."""
+    return {LAUNCH_CONFIG_VAR: json.dumps(dict(config), sort_keys=True)}
+
+
+def debug_mode(env: Mapping[str, str] | None = None) -> bool:
+    """True when cross-rank checks of collectives are on (``HASTEN_DEBUG_MODE=1`` or ``launch --debug``)."""
+    env = _env(env)
+    raw = env.get(DEBUG_MODE_VAR)
+    if raw is not None:
+        return bool(str_to_bool(raw))
+    return bool(launch_config_dict(env).get("debug", False))
+
+
+def log_level(env: Mapping[str, str] | None = None) -> str | None:
+    """The level named by ``HASTEN_LOG_LEVEL``, if any."""
+    return _env(env).get(LOG_LEVEL_VAR)
+
+
+def test_start_method(env: Mapping[str, str] | None = None) -> str:
+    """How the test harness starts ranks: ``fork`` (default, fast) or ``spawn`` (``HASTEN_TEST_START_METHOD``)."""
+    return _env(env).get("HASTEN_TEST_START_METHOD", "fork")

@@ -1,0 +1,97 @@
+"""Who am I and who are my peers: pure functions of an environment mapping."""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hasten.exceptions import ConfigurationError
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process sits in the run.
+
+    Example:
+        >>> ProcessInfo(rank=1, local_rank=1, world_size=2, local_world_size=2, node_rank=0,
+        ...             master_addr="127.0.0.1", master_port=29500)
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def torch_env(self) -> dict[str, str]:
+        """The ``env://`` variables that ``torch.distributed.init_process_group`` reads."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+class ClusterEnvironment(ABC):
+    """One way processes are told their place (torchrun, MPI, SLURM, ...)."""
+
+    name: ClassVar[str]
+
+    @staticmethod
+    @abstractmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        """True when ``env`` was written by this launcher or scheduler."""
+
+    @abstractmethod
+    def process_info(self, env: Mapping[str, str]) -> ProcessInfo:
+        """Read this process's place from ``env``."""
+
+
+def read_int(env: Mapping[str, str], key: str, source: str, default: int | None = None) -> int:
+    """Parse an integer variable, naming it and its source when it is missing or malformed."""
+    raw = env.get(key)
+    if raw is None or raw == "":
+        if default is None:
+            raise ConfigurationError(f"{source}: environment variable {key} is not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(f"{source}: environment variable {key}={raw!r} is not an integer") from None
+
+
+def check_ranks(info: ProcessInfo, source: str) -> ProcessInfo:
+    """Validate rank arithmetic so a bad scheduler variable fails here, not as a hang in rendezvous."""
+    if info.world_size < 1:
+        raise ConfigurationError(f"{source}: world size {info.world_size} must be at least 1")
+    if not 0 <= info.rank < info.world_size:
+        raise ConfigurationError(f"{source}: rank {info.rank} is outside 0..{info.world_size - 1}")
+    if not 0 <= info.local_rank < max(info.local_world_size, 1):
+        raise ConfigurationError(
+            f"{source}: local rank {info.local_rank} is outside 0..{info.local_world_size - 1}")
+    return info
+
+
+def export_torch_env(info: ProcessInfo) -> None:
+    """Make MPI/SLURM ranks visible under torchrun's names (``RANK``, ...) for libraries that read them.
+
+    Existing values are kept.
+    """
+    for key, value in info.torch_env().items():
+        os.environ.setdefault(key, value)

@@ -1,0 +1,241 @@
+"""Collectives over nested tensor structures, on torch.distributed.
+
+Every function is the identity (or a copy) when no process group is running, so the same code works
+with one process. All processes must call them; in debug mode a mismatch raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hasten.ops.debug import debug_checks_enabled, verify_operation
+from hasten.ops.tree import is_torch_tensor, recursively_apply
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one process is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_tensors(data: Any, op: str) -> None:
+    """Raise a TypeError naming the first leaf that is not a tensor."""
+    if isinstance(data, (list, tuple)):
+        for item in data:
+            _check_tensors(item, op)
+    elif isinstance(data, Mapping):
+        for item in data.values():
+            _check_tensors(item, op)
+    elif not is_torch_tensor(data):
+        raise TypeError(
+            f"`{op}` got a {type(data).__name__} ({data!r:.60}); it supports tensors in nested lists, tuples "
+            "and dicts. HINT: use `gather_object` / `broadcast_object_list` for other Python objects.")
+
+
+def gather(tensor: Any) -> Any:
+    """All-gather tensors from every process and concatenate them on the first dimension.
+
+    Nested lists, tuples and dicts are gathered leaf by leaf; 0-d tensors become 1-d. Shapes must be
+    equal on all ranks (use :func:`pad_across_processes` first otherwise).
+
+    Example:
+        >>> gather(torch.tensor([rank]))  # on 2 processes -> tensor([0, 1])
+
+    Raises:
+        TypeError: a leaf is not a tensor.
+    """
+    _check_tensors(tensor, "gather")
+    if not is_distributed():
+        return tensor
+    if debug_checks_enabled():
+        verify_operation("gather", tensor)
+    world = _world()
+
+    def _gather_one(t: torch.Tensor) -> torch.Tensor:
+        if t.ndim == 0:
+            t = t.clone()[None]
+        t = t.contiguous()
+        if dist.get_backend() == "nccl":
+            out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(out, t)
+            return out
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t)
+        return torch.cat(parts, dim=0)
+
+    return recursively_apply(_gather_one, tensor)
+
+
+def gather_object(obj: Any) -> Any:
+    """Gather picklable objects from every process.
+
+    Each process usually passes a list; the lists are joined in rank order (one level flattened, as in
+    Accelerate). A non-list object counts as one item. With one process the input is returned unchanged.
+
+    Example:
+        >>> gather_object([f"rank {rank}"])  # on 2 processes -> ['rank 0', 'rank 1']
+    """
+    if not is_distributed():
+        return obj
+    if debug_checks_enabled():
+        verify_operation("gather_object", None, same_shapes=False)
+    parts: list[Any] = [None] * _world()
+    dist.all_gather_object(parts, obj)
+    out: list[Any] = []
+    for part in parts:
+        if isinstance(part, (list, tuple)):
+            out.extend(part)
+        else:
+            out.append(part)
+    return out
+
+
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
+    """Copy tensors from ``from_process`` to every process, in place; returns the data.
+
+    Example:
+        >>> broadcast(torch.tensor([rank]))  # -> tensor([0]) everywhere
+    """
+    _check_tensors(tensor, "broadcast")
+    if not is_distributed():
+        return tensor
+    _check_rank(from_process, "broadcast")
+    if debug_checks_enabled():
+        verify_operation("broadcast", tensor)
+
+    def _bcast(t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, src=from_process)
+        return t
+
+    return recursively_apply(_bcast, tensor)
+
+
+def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
+    """Copy the picklable items of ``object_list`` from ``from_process`` into every process's list, in place."""
+    if not isinstance(object_list, list):
+        raise TypeError(f"broadcast_object_list expects a list, got {type(object_list).__name__}")
+    if not is_distributed():
+        return object_list
+    _check_rank(from_process, "broadcast_object_list")
+    if debug_checks_enabled():
+        verify_operation("broadcast_object_list", [len(object_list)], same_shapes=False)
+    dist.broadcast_object_list(object_list, src=from_process)
+    return object_list
+
+
+_REDUCE_OPS = ("sum", "mean", "max", "min", "none")
+
+
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """Reduce tensors across processes; returns new tensors (inputs are not modified).
+
+    Args:
+        tensor: a tensor or nested structure of tensors.
+        reduction: ``"mean"`` (default here, as in ``accelerate.utils.reduce``), ``"sum"``, ``"max"``,
+            ``"min"``, or ``"none"`` (a copy, no communication: what Accelerate documents but does not do).
+        scale: multiply the result by this factor.
+
+    Raises:
+        ValueError: an unknown ``reduction``.
+    """
+    if reduction not in _REDUCE_OPS:
+        raise ValueError(f"reduce(reduction={reduction!r}) is not supported: use one of {_REDUCE_OPS}")
+    _check_tensors(tensor, "reduce")
+    distributed = is_distributed() and reduction != "none"
+    if distributed and debug_checks_enabled():
+        verify_operation(f"reduce({reduction})", tensor)
+    world = _world()
+
+    def _reduce_one(t: torch.Tensor) -> torch.Tensor:
+        out = t.clone()
+        if distributed:
+            op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(reduction, dist.ReduceOp.SUM)
+            dist.all_reduce(out, op=op)
+            if reduction == "mean":
+                out = out / world if not out.is_floating_point() else out.div_(world)
+        if scale != 1.0:
+            out = out * scale
+        return out
+
+    return recursively_apply(_reduce_one, tensor)
+
+
+def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad tensors along ``dim`` to the largest size found on any process, so they can be gathered.
+
+    Args:
+        tensor: a tensor or nested structure of tensors (same number of dimensions on every rank).
+        dim: the dimension to pad (negative values count from the end).
+        pad_index: the fill value.
+        pad_first: pad at the start instead of the end.
+
+    Raises:
+        ValueError: ``dim`` is out of range for a tensor.
+    """
+    _check_tensors(tensor, "pad_across_processes")
+
+    def _check_dim(t: torch.Tensor) -> torch.Tensor:
+        if not -t.ndim <= dim < max(t.ndim, 1) or t.ndim == 0:
+            raise ValueError(f"pad_across_processes(dim={dim}) is out of range for a tensor of shape "
+                             f"{tuple(t.shape)}: use a dim in [{-t.ndim}, {t.ndim - 1}]")
+        return t
+
+    recursively_apply(_check_dim, tensor)
+    if not is_distributed():
+        return tensor
+    if debug_checks_enabled():
+        verify_operation("pad_across_processes", tensor, same_ndim_only=True)
+
+    def _pad_one(t: torch.Tensor) -> torch.Tensor:
+        d = dim % t.ndim
+        size = torch.tensor([t.shape[d]], device=t.device, dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(_world())]
+        dist.all_gather(sizes, size)
+        max_size = int(max(s.item() for s in sizes))
+        if max_size == t.shape[d]:
+            return t
+        new_shape = list(t.shape)
+        new_shape[d] = max_size
+        out = t.new_full(new_shape, pad_index)
+        index = [slice(None)] * t.ndim
+        index[d] = slice(max_size - t.shape[d], max_size) if pad_first else slice(0, t.shape[d])
+        out[tuple(index)] = t
+        return out
+
+    return recursively_apply(_pad_one, tensor)
+
+
+def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
+    """Pad a batch (by repeating zeros) so that it splits evenly across ``num_processes``."""
+    def _pad(t: torch.Tensor) -> torch.Tensor:
+        remainder = batch_size % num_processes
+        if remainder == 0:
+            return t
+        extra = num_processes - remainder
+        shape = list(t.shape)
+        shape[dim] = extra
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+    return recursively_apply(_pad, tensor)
+
+
+def barrier() -> None:
+    """Wait until every process reaches this point (no-op with one process)."""
+    if not is_distributed():
+        return
+    if debug_checks_enabled():
+        verify_operation("wait_for_everyone", None, same_shapes=False)
+    dist.barrier()
+
+
+def _check_rank(rank: int, op: str) -> None:
+    world = _world()
+    if not 0 <= rank < world:
+        raise ValueError(f"{op}(from_process={rank}) is not a rank of this run: use 0..{world - 1}")

@@ -1,0 +1,119 @@
+"""Debug mode: before each collective the ranks compare what they are about to do.
+
+Off by default and then free (one boolean test). When on, every collective first meets at a
+``monitored_barrier`` on a gloo group (it names the ranks that never arrive, instead of hanging), then
+all ranks exchange the operation's name and tensor shapes; any difference raises
+:class:`DistributedOperationError` on every rank with each rank's view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hasten.exceptions import DistributedOperationError
+
+
+@dataclass
+class _DebugConfig:
+    enabled: bool = False
+    group: Any = None
+    timeout: timedelta = timedelta(minutes=5)
+    counter: int = 0
+
+
+_CONFIG = _DebugConfig()
+
+
+def enable_debug_checks(group: Any, timeout: timedelta) -> None:
+    """Turn the checks on; ``group`` is a gloo process group (None = the default group)."""
+    _CONFIG.enabled = True
+    _CONFIG.group = group
+    _CONFIG.timeout = timeout
+    _CONFIG.counter = 0
+
+
+def disable_debug_checks() -> None:
+    """Turn the checks off."""
+    _CONFIG.enabled = False
+    _CONFIG.group = None
+    _CONFIG.counter = 0
+
+
+def debug_checks_enabled() -> bool:
+    """True when collectives are checked across ranks."""
+    return _CONFIG.enabled
+
+
+def describe(data: Any) -> Any:
+    """A picklable summary of a (nested) tensor structure: shapes, dtypes, and the type of other leaves."""
+    if isinstance(data, torch.Tensor):
+        return ("tensor", tuple(data.shape), str(data.dtype).replace("torch.", ""))
+    if isinstance(data, (list, tuple)):
+        return [describe(x) for x in data]
+    if isinstance(data, dict):
+        return {k: describe(v) for k, v in data.items()}
+    return type(data).__name__
+
+
+def _format(desc: Any) -> str:
+    if isinstance(desc, tuple) and len(desc) == 3 and desc[0] == "tensor":
+        return f"shape {desc[1]} {desc[2]}"
+    if isinstance(desc, list):
+        return "[" + ", ".join(_format(d) for d in desc) + "]"
+    if isinstance(desc, dict):
+        return "{" + ", ".join(f"{k!r}: {_format(v)}" for k, v in desc.items()) + "}"
+    return str(desc)
+
+
+def verify_operation(name: str, data: Any = None, *, same_shapes: bool = True,
+                     same_ndim_only: bool = False) -> None:
+    """Check that every rank is entering the same collective with compatible inputs.
+
+    Args:
+        name: the operation (``"gather"``, ``"broadcast"``, ...).
+        data: its input; shapes must match on all ranks when ``same_shapes``.
+        same_shapes: compare full shapes (gather needs equal shapes).
+        same_ndim_only: compare only the number of dimensions (pad_across_processes).
+
+    Raises:
+        DistributedOperationError: a rank did not arrive within the timeout, or ranks disagree.
+    """
+    if not _CONFIG.enabled or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    _CONFIG.counter += 1
+    seq = _CONFIG.counter
+    rank = dist.get_rank()
+    try:
+        dist.monitored_barrier(group=_CONFIG.group, timeout=_CONFIG.timeout, wait_all_ranks=True)
+    except RuntimeError as exc:
+        raise DistributedOperationError(
+            f"debug mode: rank {rank} reached collective #{seq} `{name}` but some ranks did not arrive "
+            f"within {_CONFIG.timeout}: {exc}. A collective must be called by every process (for example "
+            "not inside `if accelerator.is_main_process:`).") from exc
+    desc = describe(data)
+    if same_ndim_only:
+        desc = _ndims(desc)
+    mine = (name, seq, desc if (same_shapes or same_ndim_only) else None)
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, mine, group=_CONFIG.group)
+    if any(v != views[0] for v in views):
+        lines = "\n".join(f"  rank {r}: collective #{v[1]} `{v[0]}` with {_format(v[2])}" for r, v in enumerate(views))
+        raise DistributedOperationError(
+            f"debug mode: ranks disagree on collective #{seq} (seen from rank {rank}):\n{lines}\n"
+            "Every rank must call the same collectives in the same order, with equal shapes "
+            "(use `pad_across_processes` before `gather` for tensors of different lengths).")
+
+
+def _ndims(desc: Any) -> Any:
+    if isinstance(desc, tuple) and len(desc) == 3 and desc[0] == "tensor":
+        return ("tensor", (f"{len(desc[1])} dims",), desc[2])
+    if isinstance(desc, list):
+        return [_ndims(d) for d in desc]
+    if isinstance(desc, dict):
+        return {k: _ndims(v) for k, v in desc.items()}
+    return desc

@@ -1,0 +1,46 @@
+"""Accelerate-compatible ``hasten.utils``: helpers from every part of hasten under one name.
+
+This package is also hasten's bottom layer (``utils.environment``, ``utils.dataclasses``...). The
+re-exports of higher layers are resolved lazily on first access, so importing a bottom-layer module
+never drags in (or cycles through) the rest of the library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {}
+
+
+def _add(module: str, *names: str) -> None:
+    for name in names:
+        _EXPORTS[name] = module
+
+
+_add("hasten.utils.dataclasses", "AutocastKwargs", "ComputeEnvironment", "DataLoaderConfiguration",
+     "DDPCommunicationHookType", "DistributedDataParallelKwargs", "DistributedType", "DynamoBackend",
+     "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs", "KwargsHandler", "LoggerType",
+     "PrecisionType", "ProjectConfiguration", "RNGType")
+_add("hasten.utils.environment", "get_int_from_env", "parse_flag_from_env", "patch_environment", "str_to_bool")
+_add("hasten.ops.tree", "concatenate", "convert_to_fp32", "find_batch_size", "find_device", "get_data_structure",
+     "honor_type", "ignorant_find_batch_size", "is_namedtuple", "is_torch_tensor", "listify", "recursively_apply",
+     "send_to_device", "slice_tensors")
+_add("hasten.ops.collectives", "broadcast", "broadcast_object_list", "gather", "gather_object",
+     "pad_across_processes", "pad_input_tensors", "reduce")
+_add("hasten.ops.random", "set_seed", "synchronize_rng_state", "synchronize_rng_states")
+_add("hasten.utils.other", "wait_for_everyone")
+_add("hasten.logging", "get_logger")
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hasten.utils' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
