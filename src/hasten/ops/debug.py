@@ -8,6 +8,7 @@ all ranks exchange the operation's name and tensor shapes; any difference raises
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -91,10 +92,12 @@ def verify_operation(name: str, data: Any = None, *, same_shapes: bool = True,
     try:
         dist.monitored_barrier(group=_CONFIG.group, timeout=_CONFIG.timeout, wait_all_ranks=True)
     except RuntimeError as exc:
+        match = re.search(r"Ranks? ([\d, ]+) failed", str(exc))
+        missing = f"rank(s) {match.group(1).strip()}" if match else "some ranks"
         raise DistributedOperationError(
-            f"debug mode: rank {rank} reached collective #{seq} `{name}` but some ranks did not arrive "
-            f"within {_CONFIG.timeout}: {exc}. A collective must be called by every process (for example "
-            "not inside `if accelerator.is_main_process:`).") from exc
+            f"debug mode: rank {rank} reached collective #{seq} `{name}` but {missing} did not arrive within "
+            f"{_CONFIG.timeout} ({exc}). A collective must be called by every process (for example not "
+            "inside `if accelerator.is_main_process:`).") from exc
     desc = describe(data)
     if same_ndim_only:
         desc = _ndims(desc)
