@@ -11,6 +11,10 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Accelerator": "hasten.accelerator",
+    "GradientAccumulationPlugin": "hasten.utils.dataclasses",
+    "ProjectConfiguration": "hasten.utils.dataclasses",
+    "skip_first_batches": "hasten.data",
     "PartialState": "hasten.state",
     "AcceleratorState": "hasten.state",
     "GradientState": "hasten.state",

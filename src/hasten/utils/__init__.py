@@ -31,6 +31,7 @@ _add("hasten.ops.collectives", "broadcast", "broadcast_object_list", "gather", "
 _add("hasten.ops.random", "set_seed", "synchronize_rng_state", "synchronize_rng_states")
 _add("hasten.utils.other", "wait_for_everyone")
 _add("hasten.logging", "get_logger")
+_add("hasten.utils.serialization", "save_atomically")
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,5 @@
+"""The ``Accelerator`` facade."""
+
+from hasten.accelerator.core import Accelerator
+
+__all__ = ["Accelerator"]

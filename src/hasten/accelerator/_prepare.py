@@ -1,0 +1,139 @@
+"""``Accelerator.prepare`` and its per-type helpers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hasten.exceptions import ConfigurationError
+from hasten.optim import AcceleratedOptimizer, AcceleratedScheduler
+
+_SCHEDULER_TYPES: tuple[type, ...] = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def _multi_device_map(model: nn.Module) -> bool:
+    device_map = getattr(model, "hf_device_map", None)
+    return isinstance(device_map, dict) and len(set(map(str, device_map.values()))) > 1
+
+
+class PrepareMixin:
+    """Wraps models, optimizers, schedulers and data loaders for the current strategy."""
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare objects for training; returns them in the same order (one object if one was given).
+
+        Models are placed and wrapped (DDP when distributed), optimizers become
+        ``AcceleratedOptimizer``, schedulers ``AcceleratedScheduler``, data loaders are sharded;
+        anything else is returned unchanged.
+
+        Args:
+            *args: models, optimizers, schedulers, data loaders, in any order.
+            device_placement: one bool per object to override ``Accelerator(device_placement=...)``.
+
+        Example:
+            >>> model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
+        """
+        if device_placement is None:
+            device_placement = [None] * len(args)  # type: ignore[list-item]
+        elif len(device_placement) != len(args):
+            raise ConfigurationError(f"prepare got {len(args)} objects but device_placement has "
+                                     f"{len(device_placement)} entries; give one bool per object.")
+        first = [self._prepare_first_pass(obj, placement) for obj, placement in zip(args, device_placement)]
+        result = tuple(self._prepare_scheduler_pass(obj) for obj in first)
+        return result[0] if len(result) == 1 else result
+
+    def _prepare_first_pass(self, obj: Any, placement: bool | None) -> Any:
+        if isinstance(obj, torch.utils.data.DataLoader):
+            return self.prepare_data_loader(obj, device_placement=placement)
+        if isinstance(obj, nn.Module):
+            return self.prepare_model(obj, device_placement=placement)
+        if isinstance(obj, torch.optim.Optimizer):
+            return self.prepare_optimizer(obj, device_placement=placement)
+        return obj
+
+    def _prepare_scheduler_pass(self, obj: Any) -> Any:
+        if isinstance(obj, _SCHEDULER_TYPES):
+            return self.prepare_scheduler(obj)
+        return obj
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Place ``model`` on the device, add mixed precision, wrap it for the strategy, compile it if asked.
+
+        A model already prepared (or already wrapped in DDP) is returned as it is.
+
+        Args:
+            model: the model.
+            device_placement: move it to ``accelerator.device`` (default: the Accelerator's setting).
+            evaluation_mode: for inference only: no DDP wrapper.
+        """
+        if getattr(model, "_is_accelerate_prepared", False) or self._strategy.is_wrapped(model):
+            if model not in self._models:
+                self._models.append(model)
+            return model
+        placement = self.device_placement if device_placement is None else device_placement
+        if _multi_device_map(model):
+            if self.use_distributed:
+                raise ConfigurationError(
+                    "You can't train a model that has been loaded with `device_map='auto'` in any distributed mode: "
+                    "it spans several devices. HINT: load it with `device_map={'': accelerator.local_process_index}` "
+                    "(one full copy per process), or shard it with FSDP2/DeepSpeed.")
+            placement = False  # its layers already sit where the map put them
+        if placement:
+            model = model.to(self.device)
+        if self._precision.native_amp:
+            self._precision.wrap_forward(model)
+        wrapped = model if evaluation_mode else self._strategy.wrap_model(model)
+        if self._settings.dynamo_backend != "NO":
+            wrapped = torch.compile(wrapped, backend=self._settings.dynamo_backend.lower(),
+                                    **dict(self._settings.dynamo_kwargs))
+        wrapped._is_accelerate_prepared = True
+        self._models.append(wrapped)
+        return wrapped
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
+        """Wrap ``optimizer`` so it follows gradient accumulation and fp16 loss scaling."""
+        if isinstance(optimizer, AcceleratedOptimizer):
+            if optimizer not in self._optimizers:
+                self._optimizers.append(optimizer)
+            return optimizer
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = AcceleratedOptimizer(optimizer, device_placement=placement, scaler=self._precision.scaler,
+                                        device=self.device)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap a learning-rate scheduler so it steps with its optimizer (see ``hasten.optim``)."""
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        inner = getattr(scheduler, "optimizer", None)
+        optimizers = [opt for opt in self._optimizers if opt.optimizer is inner or opt is inner] or self._optimizers
+        prepared = AcceleratedScheduler(scheduler, optimizers, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                        split_batches=self.split_batches)
+        self._schedulers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> torch.utils.data.DataLoader:
+        """Shard ``data_loader`` across processes and move its batches to the device."""
+        from hasten.data import prepare_data_loader
+
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            if data_loader not in self._dataloaders:
+                self._dataloaders.append(data_loader)
+            return data_loader
+        placement = self.device_placement if device_placement is None else device_placement
+        config = self.dataloader_config
+        prepared = prepare_data_loader(
+            data_loader, device=self.device, num_processes=self.num_processes, process_index=self.process_index,
+            split_batches=config.split_batches, put_on_device=placement, rng_types=list(self.rng_types),
+            dispatch_batches=config.dispatch_batches, even_batches=config.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=config.use_seedable_sampler,
+            data_seed=config.data_seed, non_blocking=config.non_blocking,
+            use_stateful_dataloader=config.use_stateful_dataloader)
+        prepared._is_accelerate_prepared = True
+        self._dataloaders.append(prepared)
+        return prepared

@@ -1,0 +1,388 @@
+"""The ``Accelerator``: Accelerate's facade over hasten's parts (state, precision, strategy, data)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hasten.accelerator._collectives import CollectivesMixin
+from hasten.accelerator._prepare import PrepareMixin
+from hasten.accelerator._process import ProcessControlMixin
+from hasten.accelerator._tracking import TrackingMixin
+from hasten.config import env as hasten_env
+from hasten.connector import build_parts, resolve_settings
+from hasten.exceptions import ConfigurationError
+from hasten.precision import detach_autocast_forward
+from hasten.state import AcceleratorState, GradientState
+from hasten.tracking import filter_trackers
+from hasten.utils.dataclasses import (
+    AutocastKwargs,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProjectConfiguration,
+)
+
+_NOT_GIVEN: Any = object()
+_HANDLER_ATTRIBUTES = {
+    DistributedDataParallelKwargs: "ddp_handler",
+    GradScalerKwargs: "scaler_handler",
+    InitProcessGroupKwargs: "init_handler",
+    AutocastKwargs: "autocast_handler",
+}
+
+
+def _unsupported(name: str, value: Any, what: str) -> None:
+    if value is not None:
+        raise ConfigurationError(f"Accelerator({name}=...) is not supported by hasten yet: {what}. "
+                                 f"Remove `{name}` (got {type(value).__name__}).")
+
+
+def _collect_handlers(kwargs_handlers: list[KwargsHandler] | None) -> dict[type, KwargsHandler]:
+    handlers: dict[type, KwargsHandler] = {}
+    for handler in kwargs_handlers or []:
+        if not isinstance(handler, KwargsHandler):
+            raise ConfigurationError(f"kwargs_handlers must hold KwargsHandler objects (e.g. "
+                                     f"DistributedDataParallelKwargs(...)), got {handler!r}")
+        if type(handler) in handlers:
+            raise ConfigurationError(f"kwargs_handlers holds two {type(handler).__name__} objects; pass one.")
+        handlers[type(handler)] = handler
+    return handlers
+
+
+class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin):
+    """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
+
+    Example:
+        >>> accelerator = Accelerator(mixed_precision="bf16")
+        >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        >>> for x, y in loader:
+        ...     loss = loss_fn(model(x), y)
+        ...     accelerator.backward(loss)
+        ...     optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, device_placement: bool = True, split_batches: Any = _NOT_GIVEN, mixed_precision: Any = None,
+                 gradient_accumulation_steps: int = 1, cpu: bool = False,
+                 dataloader_config: DataLoaderConfiguration | None = None, deepspeed_plugin: Any = None,
+                 fsdp_plugin: Any = None, torch_tp_plugin: Any = None, megatron_lm_plugin: Any = None,
+                 rng_types: list[Any] | None = None, log_with: Any = None, project_dir: str | os.PathLike[str] | None = None,
+                 project_config: ProjectConfiguration | None = None,
+                 gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+                 step_scheduler_with_optimizer: bool = True, kwargs_handlers: list[KwargsHandler] | None = None,
+                 dynamo_backend: Any = None, dynamo_plugin: Any = None, deepspeed_plugins: Any = None,
+                 parallelism_config: Any = None) -> None:
+        if split_batches is not _NOT_GIVEN:
+            warnings.warn("Accelerator(split_batches=...) is ignored (as in Accelerate >= 1.0): pass "
+                          "`dataloader_config=DataLoaderConfiguration(split_batches=...)` instead.", FutureWarning,
+                          stacklevel=2)
+        self._check_unsupported(deepspeed_plugin, deepspeed_plugins, fsdp_plugin, torch_tp_plugin,
+                                megatron_lm_plugin, parallelism_config)
+        handlers = _collect_handlers(kwargs_handlers)
+        for cls, attribute in _HANDLER_ATTRIBUTES.items():
+            setattr(self, attribute, handlers.get(cls))
+        launch = hasten_env.launch_config_dict()
+        self._settings = resolve_settings(
+            {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
+             "gradient_accumulation_plugin": gradient_accumulation_plugin, "dynamo_backend": dynamo_backend,
+             "dynamo_plugin": dynamo_plugin, "cpu": cpu}, launch)
+        init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
+        self.state = AcceleratorState(mixed_precision=self._settings.mixed_precision, cpu=self._settings.cpu,
+                                      _from_accelerator=True, **init_kwargs)
+        self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
+                                                      self.state.num_processes, handlers)
+        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
+            num_steps=self._settings.gradient_accumulation_steps, adjust_scheduler=False)
+        self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
+        self._init_attributes(device_placement, dataloader_config, rng_types, project_dir, project_config,
+                              step_scheduler_with_optimizer, log_with)
+
+    @staticmethod
+    def _check_unsupported(deepspeed_plugin: Any, deepspeed_plugins: Any, fsdp_plugin: Any, torch_tp_plugin: Any,
+                           megatron_lm_plugin: Any, parallelism_config: Any) -> None:
+        if deepspeed_plugin is not None and deepspeed_plugins is not None:
+            raise ConfigurationError("deepspeed_plugin and deepspeed_plugins are aliases: pass only one.")
+        _unsupported("deepspeed_plugin", deepspeed_plugin or deepspeed_plugins, "DeepSpeed is not built yet")
+        _unsupported("fsdp_plugin", fsdp_plugin, "FSDP2 is not built yet")
+        _unsupported("torch_tp_plugin", torch_tp_plugin, "tensor parallelism is not available")
+        _unsupported("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM is not available")
+        _unsupported("parallelism_config", parallelism_config, "N-D parallelism is not available")
+
+    def _init_attributes(self, device_placement: bool, dataloader_config: DataLoaderConfiguration | None,
+                         rng_types: list[Any] | None, project_dir: Any, project_config: ProjectConfiguration | None,
+                         step_scheduler_with_optimizer: bool, log_with: Any) -> None:
+        self.device_placement = device_placement
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        self.rng_types = [str(getattr(r, "value", r)) for r in (rng_types if rng_types is not None else ["generator"])]
+        self.project_configuration = project_config or ProjectConfiguration()
+        if project_dir is not None:
+            self.project_configuration.set_directories(os.fspath(project_dir))
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.scaler = self._precision.scaler
+        self.step = 0
+        self._models: list[nn.Module] = []
+        self._optimizers: list[Any] = []
+        self._schedulers: list[Any] = []
+        self._dataloaders: list[Any] = []
+        self._custom_objects: list[Any] = []
+        self._save_model_state_pre_hook: dict[Any, Any] = {}
+        self._load_model_state_pre_hook: dict[Any, Any] = {}
+        self._trigger_flag = False
+        self.trackers: list[Any] = []
+        self.log_with = filter_trackers(log_with, self.logging_dir)
+
+    # ------------------------------------------------------------------------------------ properties
+    @property
+    def mixed_precision(self) -> str:
+        return self._settings.mixed_precision
+
+    @property
+    def native_amp(self) -> bool:
+        return self._precision.native_amp
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"gradient_accumulation_steps={value!r} must be a positive integer.")
+        self.gradient_state.plugin_kwargs["num_steps"] = value
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config.even_batches = value
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        return self.project_configuration.iteration
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped (fp16 overflow)."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return False
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return None
+
+    # ---------------------------------------------------------------------------------- the step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` for this setup: divides by the accumulation steps and scales fp16 losses.
+
+        Example:
+            >>> accelerator.backward(loss)
+        """
+        if self._strategy.divides_loss_for_accumulation and self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        self._strategy.backward(loss, **kwargs)
+
+    def _do_sync(self) -> None:
+        state = self.gradient_state
+        if state.sync_with_dataloader and state.end_of_dataloader:
+            self.step = 0
+            state._set_sync_gradients(True)
+        else:
+            self.step += 1
+            state._set_sync_gradients(self.step % state.num_steps == 0)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Accumulate gradients over ``gradient_accumulation_steps`` micro-batches.
+
+        Inside, DDP skips its all-reduce except on the synchronising micro-step (or the last batch of a
+        prepared data loader); the prepared optimizer and scheduler only act on that step.
+
+        Example:
+            >>> for batch in loader:
+            ...     with accelerator.accumulate(model):
+            ...         accelerator.backward(loss_fn(model(batch)))
+            ...         optimizer.step(); optimizer.zero_grad()
+        """
+        self._do_sync()
+        allow_sync = self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch)
+        with contextlib.ExitStack() as stack:
+            for model in models:
+                if not allow_sync:
+                    stack.enter_context(self._strategy.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip gradient synchronisation in backward passes inside the block."""
+        with self._strategy.no_sync(model):
+            yield
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        """Make the next backward synchronise even after forwards run under ``no_sync``."""
+        with self._strategy.trigger_sync_in_backward(model):
+            yield
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Iterator[None]:
+        """Run the block in the configured mixed precision (for code outside the model's forward)."""
+        with self._precision.autocast(autocast_handler):
+            yield
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Divide fp16 gradients by the loss scale (all prepared optimizers by default)."""
+        if self._precision.scaler is None:
+            return
+        optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else self._optimizers
+        for opt in optimizers:
+            self._precision.unscale_(getattr(opt, "optimizer", opt))
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Clip gradients by total norm after unscaling; returns the total norm before clipping.
+
+        On a micro-step that does not synchronise, gradients are partial: nothing is unscaled or
+        clipped and the norm of the partial gradients is returned. Clip inside
+        ``if accelerator.sync_gradients:``.
+        """
+        parameters = list(parameters)
+        if not self.sync_gradients:
+            grads = [p.grad for p in parameters if p.grad is not None]
+            if not grads:
+                return torch.tensor(0.0)
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+        self.unscale_gradients()
+        return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clip gradients element-wise after unscaling."""
+        self.unscale_gradients()
+        self._strategy.clip_grad_value_(parameters, clip_value)
+
+    # -------------------------------------------------------------------------------- utilities
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
+        """The user's module inside hasten's wrappers (DDP, torch.compile, mixed-precision forward)."""
+        compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+        inner = self._strategy.unwrap(model)
+        if not keep_fp32_wrapper:
+            detach_autocast_forward(inner)
+        if keep_torch_compile and compiled is not None:
+            return compiled
+        return inner
+
+    def free_memory(self, *objects: Any) -> list[Any]:
+        """Drop the references hasten holds to prepared objects and release cached device memory."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.step = 0
+        released = [None for _ in objects]
+        gc.collect()
+        self.state.device_kind.empty_cache()
+        return released
+
+    def clear(self, *objects: Any) -> list[Any]:
+        """Alias of :meth:`free_memory`."""
+        return self.free_memory(*objects)
+
+    def end_training(self) -> None:
+        """Finish the trackers and tear down the process group (call it on every process at the end)."""
+        self._finish_trackers()
+        self.state.destroy_process_group()
+
+    def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+        """Save ``obj`` once (main process, or each machine's first with ``save_on_each_node``), atomically."""
+        from hasten.utils.serialization import save_atomically
+
+        if self.project_configuration.save_on_each_node:
+            should_save = self.is_local_main_process
+        else:
+            should_save = self.is_main_process
+        if should_save:
+            save_atomically(obj, f, safe_serialization=safe_serialization)
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
+        """Let processes with fewer batches drop out early (``torch.distributed.algorithms.Join``)."""
+        if not self.use_distributed:
+            warnings.warn("join_uneven_inputs does nothing with a single process.", stacklevel=2)
+            yield
+            return
+        from torch.distributed.algorithms import Join
+
+        saved = []
+        if even_batches is not None:
+            for loader in self._dataloaders:
+                sampler = getattr(loader, "batch_sampler", None)
+                if hasattr(sampler, "even_batches"):
+                    saved.append((sampler, sampler.even_batches))
+                    sampler.even_batches = even_batches
+        try:
+            with Join(joinables):
+                yield
+        finally:
+            for sampler, value in saved:
+                sampler.even_batches = value
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """A loader that skips the first ``num_batches`` batches of its next pass only."""
+        from hasten.data import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches=num_batches)
+
+    def verify_device_map(self, model: nn.Module) -> bool:
+        """True when ``model`` was dispatched over several devices with a device map."""
+        return any(len(set(map(str, getattr(m, "hf_device_map", {}).values()))) > 1 for m in model.modules())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Accelerator:
+        return self
+
+    def __repr__(self) -> str:
+        return f"Accelerator(\n{self.state!r})"

@@ -1,0 +1,132 @@
+"""Turn the user's arguments, the launch configuration and the environment into settings and parts.
+
+``resolve_settings`` is pure (no process group, no global state): the Accelerator calls it with its
+keyword arguments, the ``HASTEN_LAUNCH_CONFIG`` dict and nothing else, so every precedence rule and
+conflict is testable with plain tables. Precedence: explicit arguments and plugin objects > launch
+configuration > defaults. When an explicit argument contradicts an explicit launch setting, hasten
+raises instead of guessing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hasten.exceptions import ConfigurationError
+from hasten.precision import SUPPORTED, Precision, create_precision
+from hasten.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from hasten.utils.dataclasses import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    DynamoBackend,
+    GradScalerKwargs,
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the Accelerator will do, after merging every source."""
+
+    mixed_precision: str
+    gradient_accumulation_steps: int
+    dynamo_backend: str
+    dynamo_kwargs: tuple[tuple[str, Any], ...]
+    cpu: bool
+
+
+def _precision(explicit: Any, launch: Mapping[str, Any]) -> str:
+    launched = launch.get("mixed_precision")
+    launched = str(launched).lower() if launched not in (None, "") else None
+    if explicit is not None:
+        value = str(getattr(explicit, "value", explicit)).lower()
+        if launched not in (None, "no") and launched != value:
+            raise ConfigurationError(
+                f"Accelerator(mixed_precision={value!r}) conflicts with the launch configuration's "
+                f"mixed_precision={launched!r} (from `hasten launch --mixed_precision` or the config file). "
+                "Set it in one place only.")
+    else:
+        value = launched or "no"
+    if value not in SUPPORTED and value != "fp8":
+        raise ConfigurationError(f"Unknown mixed_precision {value!r}: choose one of {SUPPORTED}.")
+    return value
+
+
+def _accumulation(steps: Any, plugin: Any, launch: Mapping[str, Any]) -> int:
+    if plugin is not None and steps != 1:
+        raise ConfigurationError(
+            f"Both gradient_accumulation_steps={steps!r} and gradient_accumulation_plugin={plugin!r} were given; "
+            "pass only one (the plugin's num_steps, or the integer).")
+    if plugin is not None:
+        value = plugin.num_steps if plugin.num_steps is not None else launch.get("gradient_accumulation_steps", 1)
+    elif steps == 1 and launch.get("gradient_accumulation_steps") not in (None, 1, "1"):
+        value = launch["gradient_accumulation_steps"]
+    else:
+        value = steps
+    if isinstance(value, bool) or not isinstance(value, int) and not str(value).isdigit():
+        raise ConfigurationError(f"gradient_accumulation_steps={value!r} must be a positive integer.")
+    value = int(value)
+    if value < 1:
+        raise ConfigurationError(f"gradient_accumulation_steps={value} must be at least 1.")
+    return value
+
+
+def _dynamo(backend: Any, plugin: Any, launch: Mapping[str, Any]) -> tuple[str, tuple[tuple[str, Any], ...]]:
+    if backend is not None and plugin is not None:
+        raise ConfigurationError(f"Both dynamo_backend={backend!r} and dynamo_plugin={plugin!r} were given; "
+                                 "pass only one.")
+    kwargs: dict[str, Any] = {}
+    if plugin is not None:
+        name = str(getattr(plugin, "backend", "no"))
+        for key in ("mode", "fullgraph", "dynamic"):
+            if getattr(plugin, key, None) is not None:
+                kwargs[key] = getattr(plugin, key)
+    elif backend is not None:
+        name = str(getattr(backend, "value", backend))
+    else:
+        config = launch.get("dynamo_config") or {}
+        name = str(config.get("dynamo_backend", "no"))
+        for key in ("mode", "fullgraph", "dynamic"):
+            if config.get(f"dynamo_{key if key != 'fullgraph' else 'use_fullgraph'}") is not None:
+                kwargs[key] = config[f"dynamo_{key if key != 'fullgraph' else 'use_fullgraph'}"]
+    upper = name.upper()
+    if upper not in DynamoBackend.list():
+        raise ConfigurationError(f"Unknown dynamo_backend {name!r}: choose one of {DynamoBackend.list()}.")
+    return upper, tuple(sorted(kwargs.items()))
+
+
+def resolve_settings(kwargs: Mapping[str, Any], launch: Mapping[str, Any]) -> Settings:
+    """Merge ``Accelerator(...)`` arguments with the launch configuration.
+
+    Example:
+        >>> resolve_settings({"mixed_precision": "bf16"}, {}).mixed_precision
+        'bf16'
+
+    Raises:
+        ConfigurationError: invalid values, or an argument that contradicts the launch configuration.
+    """
+    return Settings(
+        mixed_precision=_precision(kwargs.get("mixed_precision"), launch),
+        gradient_accumulation_steps=_accumulation(kwargs.get("gradient_accumulation_steps", 1),
+                                                  kwargs.get("gradient_accumulation_plugin"), launch),
+        dynamo_backend=_dynamo(kwargs.get("dynamo_backend"), kwargs.get("dynamo_plugin"), launch)[0],
+        dynamo_kwargs=_dynamo(kwargs.get("dynamo_backend"), kwargs.get("dynamo_plugin"), launch)[1],
+        cpu=bool(kwargs.get("cpu")) or bool(launch.get("use_cpu", False)),
+    )
+
+
+def build_parts(settings: Settings, device: torch.device, distributed_type: DistributedType, num_processes: int,
+                handlers: Mapping[type, Any]) -> tuple[Precision, Strategy]:
+    """Create the precision plugin and the strategy for this process."""
+    precision = create_precision(settings.mixed_precision, device.type,
+                                 autocast_handler=handlers.get(AutocastKwargs),
+                                 scaler_handler=handlers.get(GradScalerKwargs))
+    if num_processes > 1:
+        strategy: Strategy = DDPStrategy(device, precision, distributed_type, num_processes,
+                                         ddp_kwargs=handlers.get(DistributedDataParallelKwargs))
+    else:
+        strategy = SingleDeviceStrategy(device, precision, distributed_type, num_processes)
+    return precision, strategy

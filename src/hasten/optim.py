@@ -1,0 +1,219 @@
+"""Optimizer and scheduler wrappers that follow gradient accumulation and fp16 loss scaling.
+
+``AcceleratedOptimizer.step``/``zero_grad`` do nothing on micro-steps where gradients are not
+synchronised (inside ``accelerator.accumulate``), so the ordinary loop needs no ``if``. With fp16 the
+step goes through the GradScaler; a step whose gradients overflowed is skipped and
+``step_was_skipped`` says so.
+
+**Scheduler stepping (read this if you compute schedule lengths yourself).** Like Accelerate,
+``AcceleratedScheduler.step()`` advances the wrapped scheduler ``num_processes`` times per optimizer
+step, because each step consumed ``num_processes`` batches: a schedule written for a single-process
+run over the whole data set then ends at the same point. Build the scheduler with
+``num_training_steps * num_processes`` if you count optimizer steps per process, or pass
+``Accelerator(step_scheduler_with_optimizer=False)`` and step it yourself. Schedulers without a step
+count (``ReduceLROnPlateau``) are never multiplied.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from hasten.state import AcceleratorState, GradientState
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    # Only the per-parameter state tensors move; hyper-parameters stay Python numbers.
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != device and key != "step":
+                state[key] = value.to(device)
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer for accumulation and loss scaling; everything else is forwarded.
+
+    Args:
+        optimizer: the user's optimizer.
+        device_placement: move its state to the device.
+        scaler: the fp16 GradScaler, if any.
+
+    Example:
+        >>> model, optimizer = accelerator.prepare(model, optimizer)
+        >>> optimizer.step()  # a no-op while accumulating
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device_placement: bool = True, scaler: Any = None,
+                 device: torch.device | None = None) -> None:
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.gradient_state = GradientState()
+        self.device_placement = device_placement
+        self._is_overflow = False
+        self._step_called = False
+        if scaler is not None:
+            self._install_step_flag()
+        if device_placement and device is not None:
+            _move_optimizer_state(optimizer, device)
+
+    def _install_step_flag(self) -> None:
+        # GradScaler.step calls optimizer.step only when gradients are finite: a flag on the real
+        # step tells us whether it ran, without a device sync (installed once, not per step).
+        inner = self.optimizer.step
+
+        @functools.wraps(inner)  # keeps the LR scheduler's marker, so torch does not warn on every step
+        def flagged_step(*args: Any, **kwargs: Any) -> Any:
+            self._step_called = True
+            return inner(*args, **kwargs)
+
+        self.optimizer.step = flagged_step  # type: ignore[method-assign]
+
+    # Forwarded attributes -------------------------------------------------------------------------
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> Any:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> Any:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: Any) -> None:
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.optimizer.load_state_dict(state_dict)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.state_dict()
+
+    def train(self) -> None:
+        """Forward ``train()`` to optimizers that have one (schedule-free)."""
+        if hasattr(self.optimizer, "train"):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        """Forward ``eval()`` to optimizers that have one (schedule-free)."""
+        if hasattr(self.optimizer, "eval"):
+            self.optimizer.eval()
+
+    # The training step -----------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
+        """Clear gradients, only on synchronising steps (accumulated gradients survive otherwise)."""
+        if self.gradient_state.sync_gradients:
+            if set_to_none is None:
+                self.optimizer.zero_grad()
+            else:
+                self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Apply the update on synchronising steps; with fp16, skip it when gradients overflowed."""
+        if not self.gradient_state.sync_gradients:
+            return None
+        if self.scaler is None:
+            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self._step_called = False
+        result = self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self._is_overflow = not self._step_called
+        return result
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last ``step`` was skipped because fp16 gradients held inf/NaN."""
+        return self._is_overflow
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("gradient_state", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.gradient_state = GradientState()
+
+
+class AcceleratedScheduler:
+    """Steps a learning-rate scheduler only when its optimizers really stepped.
+
+    Args:
+        scheduler: the user's scheduler.
+        optimizers: the prepared optimizers it follows.
+        step_with_optimizer: step once per process per optimizer step (Accelerate's default), see the
+            module docstring; False steps exactly when you call ``step()``.
+        split_batches: batches are split, not multiplied, across processes: step once.
+    """
+
+    def __init__(self, scheduler: Any, optimizers: Any, step_with_optimizer: bool = True,
+                 split_batches: bool = False) -> None:
+        self.scheduler = scheduler
+        self.optimizers = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+        self.split_batches = split_batches
+        self.step_with_optimizer = step_with_optimizer
+        self.gradient_state = GradientState()
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Advance the schedule (see the class docstring for how many times)."""
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            if self.gradient_state.adjust_scheduler:
+                self.scheduler._step_count += 1
+            return
+        if any(getattr(opt, "step_was_skipped", False) for opt in self.optimizers):
+            return
+        if self.split_batches or not hasattr(self.scheduler, "get_last_lr") or _is_plateau(self.scheduler):
+            self.scheduler.step(*args, **kwargs)
+            return
+        for _ in range(AcceleratorState().num_processes):
+            total = getattr(self.scheduler, "total_steps", None)
+            if total is None or self.scheduler._step_count <= total:  # OneCycleLR raises past its end
+                self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> Any:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_lr(self) -> Any:
+        return self.scheduler.get_lr()
+
+    def print_lr(self, *args: Any, **kwargs: Any) -> Any:
+        return self.scheduler.print_lr(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("scheduler", "__setstate__", "__getstate__"):
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+def _is_plateau(scheduler: Any) -> bool:
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]

@@ -1,0 +1,71 @@
+"""Mixed precision with torch autocast: bf16, and fp16 with a GradScaler (also on the CPU)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from hasten.exceptions import ConfigurationError
+from hasten.precision.base import Precision, attach_autocast_forward
+from hasten.utils.dataclasses import AutocastKwargs, GradScalerKwargs
+
+
+class _AutocastPrecision(Precision):
+    dtype: ClassVar[torch.dtype]
+
+    @property
+    def native_amp(self) -> bool:
+        return True
+
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> AbstractContextManager[Any]:
+        handler = autocast_handler or self.autocast_handler
+        kwargs = handler.to_kwargs() if handler is not None else {}
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype, **kwargs)
+
+    def wrap_forward(self, model: nn.Module) -> None:
+        attach_autocast_forward(model, self)
+
+
+class BF16Precision(_AutocastPrecision):
+    """bf16 autocast; no loss scaling is needed (bf16 has fp32's exponent range)."""
+
+    mixed_precision = "bf16"
+    dtype = torch.bfloat16
+
+
+class FP16Precision(_AutocastPrecision):
+    """fp16 autocast with dynamic loss scaling (``torch.amp.GradScaler``), on GPUs and on the CPU.
+
+    Accelerate silently trains in fp32 on the CPU while reporting fp16; hasten really runs fp16
+    autocast with a CPU GradScaler, or refuses when the installed torch cannot.
+    """
+
+    mixed_precision = "fp16"
+    dtype = torch.float16
+
+    def __init__(self, device_type: str = "cpu", autocast_handler: AutocastKwargs | None = None,
+                 scaler_handler: GradScalerKwargs | None = None) -> None:
+        super().__init__(device_type, autocast_handler)
+        kwargs = scaler_handler.to_kwargs() if scaler_handler is not None else {}
+        try:
+            self.scaler = torch.amp.GradScaler(device_type, **kwargs)
+        except (RuntimeError, TypeError, AttributeError) as exc:
+            raise ConfigurationError(
+                f"mixed_precision='fp16' on device type {device_type!r} needs torch.amp.GradScaler({device_type!r}), "
+                f"which this torch ({torch.__version__}) does not provide: {exc}. HINT: use mixed_precision='bf16' "
+                "or 'no' here.") from exc
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.scaler.scale(loss).backward(**kwargs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state)

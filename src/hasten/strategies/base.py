@@ -1,0 +1,85 @@
+"""How the model is replicated or sharded: the strategy interface and the single-device strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from hasten.precision import Precision
+from hasten.utils.dataclasses import DistributedType
+
+
+class Strategy:
+    """Replication/sharding behaviour behind the ``Accelerator`` facade.
+
+    Args:
+        device: the torch device of this process.
+        precision: the precision plugin.
+        distributed_type: Accelerate's reporting value for this run.
+        num_processes: processes in the run.
+    """
+
+    #: True when ``Accelerator.backward`` divides the loss by the accumulation steps before backward
+    #: (DeepSpeed scales by itself).
+    divides_loss_for_accumulation = True
+    #: True when model and optimizer must be prepared together (FSDP2, DeepSpeed).
+    needs_model_and_optimizer_together = False
+
+    def __init__(self, device: torch.device, precision: Precision, distributed_type: DistributedType,
+                 num_processes: int = 1) -> None:
+        self.device = device
+        self.precision = precision
+        self.distributed_type = distributed_type
+        self.num_processes = num_processes
+
+    def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
+        """Wrap an already placed model for this strategy (the single-device strategy keeps it)."""
+        return model
+
+    def is_wrapped(self, model: nn.Module) -> bool:
+        """True when ``model`` is already this strategy's wrapper."""
+        return False
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside any wrapper of this strategy (and torch.compile)."""
+        return unwrap_common(model)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward pass through the precision plugin (loss already divided for accumulation)."""
+        self.precision.backward(loss, **kwargs)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        """Context in which backward passes do not synchronise gradients."""
+        return nullcontext()
+
+    @contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        """Force a gradient sync in the next backward even inside ``no_sync``."""
+        yield
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients (already unscaled) by total norm; returns the norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        """Clip gradients (already unscaled) element-wise."""
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+
+class SingleDeviceStrategy(Strategy):
+    """One process: nothing to replicate."""
+
+
+def unwrap_common(model: nn.Module) -> nn.Module:
+    """Strip torch.compile's and DDP-like ``.module`` wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod") and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
+            model = model.module
+        else:
+            return model

@@ -1,0 +1,111 @@
+"""Replicated training with ``torch.nn.parallel.DistributedDataParallel``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hasten.exceptions import ConfigurationError
+from hasten.strategies.base import Strategy
+from hasten.utils.dataclasses import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+_UNUSED_HINT = (
+    "\nHINT: some parameters did not take part in the loss. Pass "
+    "`kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)]` to `Accelerator(...)`, "
+    "or make every parameter contribute to the loss.")
+
+
+class HastenDDP(DistributedDataParallel):
+    """DDP whose unused-parameter error says how to fix it in hasten's terms."""
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            if "find_unused_parameters" in str(exc) and "HINT" not in str(exc):
+                raise RuntimeError(str(exc) + _UNUSED_HINT) from exc
+            raise
+
+
+class DDPStrategy(Strategy):
+    """One model replica per process; gradients all-reduced in backward."""
+
+    def __init__(self, *args: Any, ddp_kwargs: DistributedDataParallelKwargs | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ddp_kwargs = ddp_kwargs or DistributedDataParallelKwargs()
+
+    def is_wrapped(self, model: nn.Module) -> bool:
+        return isinstance(model, DistributedDataParallel)
+
+    def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
+        if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
+            return model  # nothing to synchronise: DDP would only add a broadcast
+        kwargs = self.ddp_kwargs.to_kwargs()
+        for key in ("comm_hook", "comm_wrapper", "comm_state_option"):
+            kwargs.pop(key, None)
+        if self.device.type != "cpu":
+            kwargs.setdefault("device_ids", [self.device])
+            kwargs.setdefault("output_device", self.device)
+        ddp = HastenDDP(model, **kwargs)
+        register_comm_hook(ddp, self.ddp_kwargs)
+        return ddp
+
+    def no_sync(self, model: nn.Module) -> Any:
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return super().no_sync(model)
+
+    @contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        # Several forwards ran under no_sync: tell the reducer the next backward must all-reduce.
+        saved = (model.require_backward_grad_sync, model.require_forward_param_sync)
+        model.require_backward_grad_sync = True
+        model.require_forward_param_sync = True
+        model.reducer.prepare_for_backward([])
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = saved
+
+
+def register_comm_hook(model: DistributedDataParallel, kwargs: DistributedDataParallelKwargs) -> None:
+    """Install the communication hook named by ``kwargs.comm_hook`` (optionally wrapped)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hook_type = DDPCommunicationHookType(kwargs.comm_hook)
+    wrapper = DDPCommunicationHookType(kwargs.comm_wrapper)
+    if hook_type == DDPCommunicationHookType.NO:
+        if wrapper != DDPCommunicationHookType.NO:
+            raise ConfigurationError(f"DistributedDataParallelKwargs(comm_wrapper={wrapper.value!r}) needs a "
+                                     "comm_hook (power_sgd or batched_power_sgd) to wrap.")
+        return
+    hooks = {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
+        DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
+        DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
+    }
+    hook = hooks[hook_type]
+    state: Any = None
+    if hook_type in (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD):
+        state = powerSGD_hook.PowerSGDState(process_group=None, **kwargs.comm_state_option)
+    if wrapper == DDPCommunicationHookType.FP16:
+        hook = default_hooks.fp16_compress_wrapper(hook)
+    elif wrapper == DDPCommunicationHookType.BF16:
+        hook = default_hooks.bf16_compress_wrapper(hook)
+    model.register_comm_hook(state, hook)
+
+
+def is_ddp(model: Any) -> bool:
+    """True for a DistributedDataParallel module."""
+    return isinstance(model, DistributedDataParallel)
+
+
+__all__ = ["DDPStrategy", "HastenDDP", "is_ddp", "register_comm_hook"]

@@ -1,0 +1,55 @@
+"""Crash-safe writes: write to a temporary name in the same folder, then rename into place."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path beside ``target``; on success it replaces ``target`` in one rename.
+
+    A crash (or an exception) leaves the previous ``target`` untouched and removes the temporary file.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, target)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
+def write_atomically(target: str | os.PathLike[str], writer: Callable[[Path], Any]) -> None:
+    """Call ``writer(tmp_path)`` then move the result to ``target`` atomically."""
+    with atomic_path(target) as tmp:
+        writer(tmp)
+
+
+def save_atomically(obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
+    """``torch.save`` (or safetensors for a dict of tensors) through a temporary file and a rename.
+
+    Raises:
+        TypeError: ``safe_serialization`` with something other than a dict of tensors.
+    """
+    import torch
+
+    if safe_serialization:
+        from safetensors.torch import save_file
+
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise TypeError("save(..., safe_serialization=True) needs a dict of tensors (a state dict); got "
+                            f"{type(obj).__name__}. HINT: use safe_serialization=False for other objects.")
+        tensors = {k: v.detach().contiguous() for k, v in obj.items()}
+        write_atomically(f, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    else:
+        write_atomically(f, lambda tmp: torch.save(obj, tmp))
