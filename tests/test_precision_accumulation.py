@@ -153,7 +153,7 @@ def test_sync_pattern_without_loader():
     accelerator = Accelerator(gradient_accumulation_steps=4)
     model = nn.Linear(1, 1)
     syncs = []
-    for i in range(1, 11):
+    for _ in range(10):
         with accelerator.accumulate(model):
             syncs.append(accelerator.sync_gradients)
     assert [i for i, s in enumerate(syncs, 1) if s] == [4, 8]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.accelerator._checkpoint import CheckpointMixin
 from hasten.accelerator._collectives import CollectivesMixin
 from hasten.accelerator._prepare import PrepareMixin
 from hasten.accelerator._process import ProcessControlMixin
@@ -60,7 +61,7 @@ def _collect_handlers(kwargs_handlers: list[KwargsHandler] | None) -> dict[type,
     return handlers
 
 
-class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin):
+class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin):
     """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
 
     Example:

@@ -48,6 +48,10 @@ class Strategy:
         """The user's module inside any wrapper of this strategy (and torch.compile)."""
         return unwrap_common(model)
 
+    def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full state dict of ``model`` (called on every process; sharded strategies gather)."""
+        return (self.unwrap(model) if unwrap else model).state_dict()
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward pass through the precision plugin (loss already divided for accumulation)."""
         self.precision.backward(loss, **kwargs)

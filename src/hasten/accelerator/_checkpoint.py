@@ -1,0 +1,272 @@
+"""``save_state`` / ``load_state`` / ``save_model`` and friends on the Accelerator.
+
+**Every process must call ``save_state`` and ``load_state``** (not only the main process): they
+synchronise, and each process saves and restores its own random generators.
+
+The folder layout is Accelerate's (``model.safetensors``, ``optimizer.bin``, ``scheduler.bin``,
+``scaler.pt``, ``random_states_{rank}.pkl``, ``custom_checkpoint_{i}.pkl``) plus
+``dataloader_state{_i}.bin`` holding each prepared loader's epoch, shuffle generator and position.
+A save becomes visible only when complete; a load checks every file before changing anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from hasten import ops
+from hasten.checkpointing import SAVE_STAGE_HOOKS, CheckpointError, capture_rng_state, restore_rng_state
+from hasten.checkpointing import files as ckpt
+from hasten.checkpointing.naming import (
+    checkpoints_root,
+    iteration_of,
+    newest_checkpoint,
+    prepare_staging,
+    prune,
+    publish,
+    staging_folder,
+)
+from hasten.checkpointing.shards import write_model_files
+
+
+class CheckpointMixin:
+    """Saving and restoring the whole training state."""
+
+    # ------------------------------------------------------------------------------------- saving
+    def _checkpoint_target(self, output_dir: str | os.PathLike[str] | None) -> Path:
+        config = self.project_configuration
+        if config.automatic_checkpoint_naming:
+            return checkpoints_root(self.project_dir) / f"checkpoint_{config.iteration}"
+        if output_dir is None:
+            raise CheckpointError("save_state() needs `output_dir`, or "
+                                  "`ProjectConfiguration(automatic_checkpoint_naming=True)` and a project_dir.")
+        return Path(output_dir).expanduser()
+
+    def _start_save(self, target: Path) -> None:
+        """Main process: check, prune, create the staging folder; then everyone learns the outcome."""
+        error = None
+        if self.is_main_process:
+            config = self.project_configuration
+            try:
+                if config.automatic_checkpoint_naming:
+                    if target.exists():
+                        raise CheckpointError(
+                            f"Checkpoint directory {target} already exists. Load it first (load_state restores the "
+                            "iteration) or set `accelerator.project_configuration.iteration` to a new number.")
+                    prune(target.parent, config.total_limit)
+                prepare_staging(target)
+            except (OSError, CheckpointError) as exc:
+                error = str(exc)
+        outcome = ops.broadcast_object_list([error])[0]
+        if outcome is not None:
+            raise CheckpointError(outcome)
+        staging_folder(target).mkdir(parents=True, exist_ok=True)  # other machines' local folders
+
+    def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> Path:
+        """Save models, optimizers, schedulers, data loaders, scaler, RNGs and registered objects.
+
+        With ``automatic_checkpoint_naming`` the folder is ``{project_dir}/checkpoints/checkpoint_{i}``
+        (``output_dir`` is ignored) and old checkpoints beyond ``total_limit`` are removed.
+        Call it on every process.
+
+        Returns:
+            The checkpoint folder.
+        """
+        target = self._checkpoint_target(output_dir)
+        self._start_save(target)
+        staging = staging_folder(target)
+        weights = [self.get_state_dict(model, unwrap=True) for model in self._models]
+        for hook in self._save_model_state_pre_hook.values():
+            hook(self._models, weights, str(staging))
+        if self._writes_shared_files():
+            self._write_shared_files(staging, weights, safe_serialization)
+        ckpt.torch_save(capture_rng_state(self.step), staging / ckpt.RNG.format(rank=self.process_index))
+        for hook in SAVE_STAGE_HOOKS:
+            hook("before_publish", staging)
+        self.wait_for_everyone()
+        if self.is_main_process:
+            publish(target)
+        self.wait_for_everyone()
+        if self.is_local_main_process and not self.is_main_process:
+            publish(target)  # machines that do not share the main process's file system
+        self.wait_for_everyone()
+        self.project_configuration.iteration += 1
+        return target
+
+    def _writes_shared_files(self) -> bool:
+        if self.project_configuration.save_on_each_node:
+            return self.is_local_main_process
+        return self.is_main_process
+
+    def _write_shared_files(self, folder: Path, weights: list[dict[str, torch.Tensor]], safe: bool) -> None:
+        for i, state in enumerate(weights):
+            if state:  # a pre-hook may take over saving by emptying it
+                ckpt.save_model_weights(state, folder, i, safe)
+        for i, optimizer in enumerate(self._optimizers):
+            ckpt.torch_save(optimizer.state_dict(), folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
+        for i, scheduler in enumerate(self._schedulers):
+            ckpt.torch_save(scheduler.state_dict(), folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i)))
+        for i, loader in enumerate(self._dataloaders):
+            if hasattr(loader, "state_dict"):
+                ckpt.torch_save(loader.state_dict(), folder / ckpt.DATALOADER.format(suffix=ckpt.suffix(i)))
+        scaler_state = self._precision.state_dict()
+        if scaler_state is not None:
+            ckpt.torch_save(scaler_state, folder / ckpt.SCALER)
+        for i, obj in enumerate(self._custom_objects):
+            ckpt.torch_save(obj.state_dict(), folder / ckpt.CUSTOM.format(index=i))
+
+    # ------------------------------------------------------------------------------------ loading
+    def _resolve_load_folder(self, input_dir: str | os.PathLike[str] | None) -> Path:
+        if input_dir is None:
+            if not self.project_configuration.automatic_checkpoint_naming:
+                raise CheckpointError("load_state() needs `input_dir`, or automatic checkpoint naming to find "
+                                      "the newest checkpoint.")
+            newest = newest_checkpoint(self.project_dir)
+            if newest is None:
+                raise CheckpointError(f"No complete checkpoint under {checkpoints_root(self.project_dir)}.")
+            return newest
+        folder = Path(input_dir).expanduser()
+        if not folder.is_dir():
+            raise CheckpointError(f"Checkpoint folder {folder} does not exist (or is not a folder).")
+        return folder
+
+    def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
+                   **load_model_func_kwargs: Any) -> Path:
+        """Restore what :meth:`save_state` saved; every file is checked before anything changes.
+
+        With ``input_dir=None`` and automatic naming, the newest complete checkpoint is loaded and the
+        iteration counter continues after it. Prepared data loaders resume at the saved position.
+        Call it on every process.
+
+        Raises:
+            CheckpointError: a missing folder or file, a damaged file, or a folder that does not match
+                what was prepared (models, optimizers, registered objects, number of processes).
+        """
+        folder = self._resolve_load_folder(input_dir)
+        for hook in self._load_model_state_pre_hook.values():
+            hook(self._models, str(folder))
+        strict = bool(load_model_func_kwargs.pop("strict", True))
+        map_location = self._map_location(load_model_func_kwargs.pop("map_location", None))
+        plan = self._read_checkpoint(folder, strict, map_location)
+        self._apply_checkpoint(plan, strict)
+        iteration = iteration_of(folder)
+        if self.project_configuration.automatic_checkpoint_naming and iteration is not None:
+            self.project_configuration.iteration = iteration + 1
+        self.wait_for_everyone()
+        return folder
+
+    def _map_location(self, value: Any) -> Any:
+        if value in (None, "cpu"):
+            return "cpu"
+        if value == "on_device":
+            return self.device
+        raise CheckpointError(f"load_state(map_location={value!r}): use None, 'cpu' or 'on_device'.")
+
+    def _read_checkpoint(self, folder: Path, strict: bool, map_location: Any) -> dict[str, Any]:
+        plan: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "loaders": [], "custom": []}
+        for i, model in enumerate(self._models):
+            path, weights = ckpt.read_model_weights(folder, i)
+            ckpt.check_model_weights(self.unwrap_model(model), weights, path, strict=strict)
+            plan["models"].append(weights)
+        for i, _ in enumerate(self._optimizers):
+            plan["optimizers"].append(ckpt.torch_load(folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), map_location))
+        for i, _ in enumerate(self._schedulers):
+            plan["schedulers"].append(ckpt.torch_load(folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i))))
+        saved_loaders = ckpt.count_files(folder, "dataloader_state")
+        if saved_loaders and saved_loaders != len(self._dataloaders):
+            raise CheckpointError(f"{folder} holds the state of {saved_loaders} data loaders but {len(self._dataloaders)} "
+                                  "are prepared; prepare the same loaders, in the same order, before load_state.")
+        for i in range(saved_loaders):
+            plan["loaders"].append(ckpt.torch_load(folder / ckpt.DATALOADER.format(suffix=ckpt.suffix(i))))
+        saved_custom = ckpt.count_files(folder, "custom_checkpoint_")
+        if saved_custom != len(self._custom_objects):
+            raise CheckpointError(f"{folder} holds {saved_custom} registered objects but {len(self._custom_objects)} "
+                                  "are registered with register_for_checkpointing; register the same objects.")
+        for i in range(saved_custom):
+            plan["custom"].append(ckpt.torch_load(folder / ckpt.CUSTOM.format(index=i)))
+        if self._precision.scaler is not None and (folder / ckpt.SCALER).is_file():
+            plan["scaler"] = ckpt.torch_load(folder / ckpt.SCALER)
+        rng_path = folder / ckpt.RNG.format(rank=self.process_index)
+        if not rng_path.is_file():
+            saved = ckpt.count_files(folder, "random_states_")
+            raise CheckpointError(f"{rng_path} is missing: the checkpoint was saved by {saved} processes and this is "
+                                  f"process {self.process_index} of {self.num_processes}.")
+        plan["rng"] = (rng_path, _load_rng_file(rng_path))
+        return plan
+
+    def _apply_checkpoint(self, plan: dict[str, Any], strict: bool) -> None:
+        for model, weights in zip(self._models, plan["models"]):
+            ckpt.load_model_weights(self.unwrap_model(model), weights, strict=strict)
+        if "scaler" in plan:
+            self._precision.load_state_dict(plan["scaler"])
+        for optimizer, state in zip(self._optimizers, plan["optimizers"]):
+            optimizer.load_state_dict(state)
+        for scheduler, state in zip(self._schedulers, plan["schedulers"]):
+            scheduler.load_state_dict(state)
+        for loader, state in zip(self._dataloaders, plan["loaders"]):
+            loader.load_state_dict(state)
+        for obj, state in zip(self._custom_objects, plan["custom"]):
+            obj.load_state_dict(state)
+        path, rng = plan["rng"]
+        self.step = restore_rng_state(rng, path)
+
+    # ------------------------------------------------------------------------------- other helpers
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's full state dict (unwrapped: no ``module.`` prefix). Call it on every process."""
+        return self._strategy.model_state_dict(model, unwrap=unwrap)
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str],
+                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """Save the model's weights: ``model.safetensors``, or shards + ``model.safetensors.index.json``.
+
+        Shards of an earlier save into the same folder are removed. Call it on every process; the
+        main process writes.
+        """
+        state = self.get_state_dict(model)
+        if self._writes_shared_files():
+            write_model_files(state, save_directory, max_shard_size=max_shard_size,
+                              safe_serialization=safe_serialization)
+        self.wait_for_everyone()
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Also save and restore these objects (each needs ``state_dict`` and ``load_state_dict``)."""
+        invalid = [obj for obj in objects if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))]
+        if invalid:
+            raise ValueError(f"register_for_checkpointing: these objects lack `state_dict`/`load_state_dict`: "
+                             f"{[type(o).__name__ for o in invalid]}")
+        self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: Any) -> RemovableHandle:
+        """Run ``hook(models, weights, output_dir)`` before models are written; it may edit ``weights``."""
+        handle = RemovableHandle(self._save_model_state_pre_hook)
+        self._save_model_state_pre_hook[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Any) -> RemovableHandle:
+        """Run ``hook(models, input_dir)`` before a checkpoint is loaded."""
+        handle = RemovableHandle(self._load_model_state_pre_hook)
+        self._load_model_state_pre_hook[handle.id] = hook
+        return handle
+
+
+def _load_rng_file(path: Path) -> dict[str, Any]:
+    try:
+        return ckpt.torch_load(path)
+    except CheckpointError:
+        # Accelerate's files pickle NumPy's state: allow exactly those NumPy types, nothing else.
+        import numpy as np
+
+        core = getattr(np, "_core", None) or np.core
+        allowed = [np.ndarray, np.dtype, core.multiarray._reconstruct]
+        if hasattr(np, "dtypes"):
+            allowed.append(np.dtypes.UInt32DType)
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(f"Could not read checkpoint file {path}: {exc}") from exc

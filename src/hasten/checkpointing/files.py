@@ -1,0 +1,146 @@
+"""Reading and writing the individual files of a checkpoint folder, safely.
+
+Writes go through a temporary name and a rename; reads use safetensors or
+``torch.load(weights_only=True)`` (a checkpoint never runs code) and name the file on any failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hasten.checkpointing.rng import CheckpointError
+from hasten.utils.serialization import atomic_path
+
+SAFE_MODEL = "model{suffix}.safetensors"
+BIN_MODEL = "pytorch_model{suffix}.bin"
+OPTIMIZER = "optimizer{suffix}.bin"
+SCHEDULER = "scheduler{suffix}.bin"
+DATALOADER = "dataloader_state{suffix}.bin"
+SCALER = "scaler.pt"
+RNG = "random_states_{rank}.pkl"
+CUSTOM = "custom_checkpoint_{index}.pkl"
+
+
+def suffix(index: int) -> str:
+    """Accelerate's numbering: the first object has no suffix, the next ``_1``, ``_2``..."""
+    return "" if index == 0 else f"_{index}"
+
+
+def torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` through a temporary file."""
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def torch_load(path: Path, map_location: Any = "cpu") -> Any:
+    """``torch.load(weights_only=True)``, naming the file when it is missing, truncated or unsafe."""
+    if not path.is_file():
+        raise CheckpointError(f"Checkpoint file {path} is missing.")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"Could not read checkpoint file {path}: {exc}. It is truncated, corrupted, or holds "
+                              "objects that cannot be loaded safely (weights_only=True).") from exc
+
+
+def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep one name per storage (tied weights), as safetensors requires; tensors made contiguous."""
+    seen: dict[tuple[Any, int, tuple[int, ...]], str] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.device.type != "meta" and key in seen:
+            continue
+        seen[key] = name
+        out[name] = tensor.detach().contiguous()
+    return out
+
+
+def save_model_weights(state_dict: Mapping[str, torch.Tensor], folder: Path, index: int, safe: bool) -> Path:
+    """Write one model's weights as ``model{_i}.safetensors`` (or ``pytorch_model{_i}.bin``)."""
+    if safe:
+        from safetensors.torch import save_file
+
+        path = folder / SAFE_MODEL.format(suffix=suffix(index))
+        tensors = {k: v.cpu() for k, v in dedupe_shared_tensors(state_dict).items()}
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        return path
+    path = folder / BIN_MODEL.format(suffix=suffix(index))
+    torch_save({k: v.cpu() for k, v in state_dict.items()}, path)
+    return path
+
+
+def read_model_weights(folder: Path, index: int) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Read one model's weights (safetensors preferred), naming the file on failure."""
+    safe = folder / SAFE_MODEL.format(suffix=suffix(index))
+    if safe.is_file():
+        from safetensors.torch import load_file
+
+        try:
+            return safe, load_file(str(safe), device="cpu")
+        except Exception as exc:
+            raise CheckpointError(f"Could not read checkpoint file {safe}: {exc}. It is truncated or corrupted.") from exc
+    binary = folder / BIN_MODEL.format(suffix=suffix(index))
+    if binary.is_file():
+        return binary, torch_load(binary)
+    raise CheckpointError(f"{folder} has no weights for model #{index} (expected {safe.name} or {binary.name}); "
+                          "the folder was saved with fewer models than were prepared.")
+
+
+def check_model_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], path: Path, strict: bool = True) -> None:
+    """Compare keys and shapes before touching the model, so a mismatch never leaves it half-loaded.
+
+    Names missing from the file are accepted when they share storage with a saved name (tied weights).
+    """
+    expected = model.state_dict()
+    aliases = _storage_aliases(expected)
+    missing = [k for k in expected if k not in weights and not any(a in weights for a in aliases.get(k, ()))]
+    unexpected = [k for k in weights if k not in expected]
+    wrong_shape = [f"{k}: file {tuple(weights[k].shape)} vs model {tuple(expected[k].shape)}"
+                   for k in weights if k in expected and tuple(weights[k].shape) != tuple(expected[k].shape)]
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    if wrong_shape:
+        problems.append(f"shape mismatches {wrong_shape[:8]}")
+    if problems:
+        raise CheckpointError(f"{path} does not match the prepared model {type(model).__name__}: "
+                              + "; ".join(problems) + ". Nothing was loaded.")
+
+
+def load_model_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Copy checked weights into ``model`` (tied names restored from their saved alias)."""
+    expected = model.state_dict()
+    full = dict(weights)
+    for name, names in _storage_aliases(expected).items():
+        if name not in full:
+            for alias in names:
+                if alias in weights:
+                    full[name] = weights[alias]
+                    break
+    model.load_state_dict(full, strict=strict)
+
+
+def _storage_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+    by_storage: dict[tuple[Any, int, tuple[int, ...]], list[str]] = {}
+    for name, tensor in state_dict.items():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+            by_storage.setdefault(key, []).append(name)
+    return {n: [a for a in names if a != n] for names in by_storage.values() if len(names) > 1 for n in names}
+
+
+def count_files(folder: Path, prefix: str) -> int:
+    """How many ``{prefix}{_i}`` files of one kind the folder holds."""
+    return sum(1 for name in os.listdir(folder) if name.startswith(prefix))
