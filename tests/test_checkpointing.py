@@ -196,6 +196,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     model = accelerator.prepare(nn.Linear(3, 3))
     assert accelerator.load_state().name == "checkpoint_0"
     assert accelerator.save_iteration == 1
+    saved = load_file(str(tmp_path / "proj" / "checkpoints" / "checkpoint_0" / "model.safetensors"))
+    assert torch.equal(model.weight, saved["weight"])
     accelerator.save_state()  # the leftover staging folder is replaced, not mistaken for a checkpoint
     assert sorted(os.listdir(tmp_path / "proj" / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]
     assert Path(tmp_path / "proj" / "checkpoints" / "checkpoint_1" / "model.safetensors").exists()
