@@ -36,6 +36,8 @@ class Settings:
     dynamo_backend: str
     dynamo_kwargs: tuple[tuple[str, Any], ...]
     cpu: bool
+    fsdp_plugin: Any = None
+    deepspeed_plugin: Any = None
 
 
 def _precision(explicit: Any, launch: Mapping[str, Any]) -> str:
@@ -115,7 +117,31 @@ def resolve_settings(kwargs: Mapping[str, Any], launch: Mapping[str, Any]) -> Se
         dynamo_backend=_dynamo(kwargs.get("dynamo_backend"), kwargs.get("dynamo_plugin"), launch)[0],
         dynamo_kwargs=_dynamo(kwargs.get("dynamo_backend"), kwargs.get("dynamo_plugin"), launch)[1],
         cpu=bool(kwargs.get("cpu")) or bool(launch.get("use_cpu", False)),
+        fsdp_plugin=_fsdp_plugin(kwargs.get("fsdp_plugin"), launch),
+        deepspeed_plugin=_deepspeed_plugin(kwargs.get("deepspeed_plugin"), launch),
     )
+
+
+def _fsdp_plugin(explicit: Any, launch: Mapping[str, Any]) -> Any:
+    if explicit is not None:
+        return explicit
+    if str(launch.get("distributed_type", "")).upper() != "FSDP" and not launch.get("fsdp_config"):
+        return None
+    from hasten.config.plugins.fsdp import fsdp_plugin_from_launch_config  # only when FSDP is asked for
+
+    return fsdp_plugin_from_launch_config(launch)
+
+
+def _deepspeed_plugin(explicit: Any, launch: Mapping[str, Any]) -> Any:
+    if isinstance(explicit, dict):  # several named plugins: the first is active
+        explicit = next(iter(explicit.values()), None)
+    if explicit is not None:
+        return explicit
+    if str(launch.get("distributed_type", "")).upper() != "DEEPSPEED":
+        return None
+    from hasten.config.plugins.deepspeed import deepspeed_plugin_from_launch_config
+
+    return deepspeed_plugin_from_launch_config(launch)
 
 
 def build_parts(settings: Settings, device: torch.device, distributed_type: DistributedType, num_processes: int,
@@ -124,8 +150,21 @@ def build_parts(settings: Settings, device: torch.device, distributed_type: Dist
     precision = create_precision(settings.mixed_precision, device.type,
                                  autocast_handler=handlers.get(AutocastKwargs),
                                  scaler_handler=handlers.get(GradScalerKwargs))
-    if num_processes > 1:
-        strategy: Strategy = DDPStrategy(device, precision, distributed_type, num_processes,
+    if settings.fsdp_plugin is not None and settings.deepspeed_plugin is not None:
+        raise ConfigurationError("Both an FSDP plugin and a DeepSpeed plugin were given (arguments or launch "
+                                 "configuration); choose one.")
+    if settings.deepspeed_plugin is not None:
+        from hasten.strategies.deepspeed import DeepSpeedStrategy  # imports deepspeed lazily
+
+        strategy: Strategy = DeepSpeedStrategy(device, precision, DistributedType.DEEPSPEED, num_processes,
+                                               plugin=settings.deepspeed_plugin,
+                                               gradient_accumulation_steps=settings.gradient_accumulation_steps)
+    elif settings.fsdp_plugin is not None:
+        from hasten.strategies.fsdp2 import FSDP2Strategy
+
+        strategy = FSDP2Strategy(device, precision, DistributedType.FSDP, num_processes, plugin=settings.fsdp_plugin)
+    elif num_processes > 1:
+        strategy = DDPStrategy(device, precision, distributed_type, num_processes,
                                          ddp_kwargs=handlers.get(DistributedDataParallelKwargs))
     else:
         strategy = SingleDeviceStrategy(device, precision, distributed_type, num_processes)

@@ -46,9 +46,11 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, device_placement: bool = True, scaler: Any = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, engine_managed: bool = False) -> None:
         self.optimizer = optimizer
         self.scaler = scaler
+        # DeepSpeed's engine steps and zeroes inside backward: step/zero_grad here must do nothing.
+        self.engine_managed = engine_managed
         self.gradient_state = GradientState()
         self.device_placement = device_placement
         self._is_overflow = False
@@ -117,7 +119,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     # The training step -----------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
         """Clear gradients, only on synchronising steps (accumulated gradients survive otherwise)."""
-        if self.gradient_state.sync_gradients:
+        if self.gradient_state.sync_gradients and not self.engine_managed:
             if set_to_none is None:
                 self.optimizer.zero_grad()
             else:
@@ -126,6 +128,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Apply the update on synchronising steps; with fp16, skip it when gradients overflowed."""
         if not self.gradient_state.sync_gradients:
+            return None
+        if self.engine_managed:
+            self._is_overflow = bool(getattr(self.optimizer, "overflow", False))
             return None
         if self.scaler is None:
             return self.optimizer.step(closure) if closure is not None else self.optimizer.step()

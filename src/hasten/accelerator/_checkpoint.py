@@ -80,9 +80,12 @@ class CheckpointMixin:
         target = self._checkpoint_target(output_dir)
         self._start_save(target)
         staging = staging_folder(target)
-        weights = [self.get_state_dict(model, unwrap=True) for model in self._models]
+        own_models = self._strategy.saves_models_itself
+        weights = [] if own_models else [self.get_state_dict(model, unwrap=True) for model in self._models]
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, weights, str(staging))
+        if self._strategy.saves_models_itself:
+            self._strategy.save_models_and_optimizers(self._models, self._raw_optimizers(), staging)
         if self._writes_shared_files():
             self._write_shared_files(staging, weights, safe_serialization)
         ckpt.torch_save(capture_rng_state(self.step), staging / ckpt.RNG.format(rank=self.process_index))
@@ -107,7 +110,7 @@ class CheckpointMixin:
         for i, state in enumerate(weights):
             if state:  # a pre-hook may take over saving by emptying it
                 ckpt.save_model_weights(state, folder, i, safe)
-        for i, optimizer in enumerate(self._optimizers):
+        for i, optimizer in enumerate([] if self._strategy.saves_models_itself else self._optimizers):
             ckpt.torch_save(optimizer.state_dict(), folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
         for i, scheduler in enumerate(self._schedulers):
             ckpt.torch_save(scheduler.state_dict(), folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i)))
@@ -153,7 +156,7 @@ class CheckpointMixin:
         strict = bool(load_model_func_kwargs.pop("strict", True))
         map_location = self._map_location(load_model_func_kwargs.pop("map_location", None))
         plan = self._read_checkpoint(folder, strict, map_location)
-        self._apply_checkpoint(plan, strict)
+        self._apply_checkpoint(plan, strict, folder)
         iteration = iteration_of(folder)
         if self.project_configuration.automatic_checkpoint_naming and iteration is not None:
             self.project_configuration.iteration = iteration + 1
@@ -169,11 +172,13 @@ class CheckpointMixin:
 
     def _read_checkpoint(self, folder: Path, strict: bool, map_location: Any) -> dict[str, Any]:
         plan: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "loaders": [], "custom": []}
-        for i, model in enumerate(self._models):
+        if self._strategy.saves_models_itself:
+            self._strategy.check_models_and_optimizers(self._models, self._raw_optimizers(), folder)
+        for i, model in enumerate([] if self._strategy.saves_models_itself else self._models):
             path, weights = ckpt.read_model_weights(folder, i)
             ckpt.check_model_weights(self.unwrap_model(model), weights, path, strict=strict)
             plan["models"].append(weights)
-        for i, _ in enumerate(self._optimizers):
+        for i, _ in enumerate([] if self._strategy.saves_models_itself else self._optimizers):
             plan["optimizers"].append(ckpt.torch_load(folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), map_location))
         for i, _ in enumerate(self._schedulers):
             plan["schedulers"].append(ckpt.torch_load(folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i))))
@@ -199,7 +204,12 @@ class CheckpointMixin:
         plan["rng"] = (rng_path, _load_rng_file(rng_path))
         return plan
 
-    def _apply_checkpoint(self, plan: dict[str, Any], strict: bool) -> None:
+    def _raw_optimizers(self) -> list[Any]:
+        return [getattr(opt, "optimizer", opt) for opt in self._optimizers]
+
+    def _apply_checkpoint(self, plan: dict[str, Any], strict: bool, folder: Path) -> None:
+        if self._strategy.saves_models_itself:
+            self._strategy.load_models_and_optimizers(self._models, self._raw_optimizers(), folder)
         for model, weights in zip(self._models, plan["models"]):
             ckpt.load_model_weights(self.unwrap_model(model), weights, strict=strict)
         if "scaler" in plan:

@@ -40,9 +40,37 @@ class PrepareMixin:
         elif len(device_placement) != len(args):
             raise ConfigurationError(f"prepare got {len(args)} objects but device_placement has "
                                      f"{len(device_placement)} entries; give one bool per object.")
+        if self._strategy.needs_model_and_optimizer_together:
+            args = self._prepare_model_with_optimizers(args, device_placement)
         first = [self._prepare_first_pass(obj, placement) for obj, placement in zip(args, device_placement)]
         result = tuple(self._prepare_scheduler_pass(obj) for obj in first)
         return result[0] if len(result) == 1 else result
+
+    def _prepare_model_with_optimizers(self, args: tuple[Any, ...], placements: list[Any]) -> tuple[Any, ...]:
+        """Sharding strategies replace parameters, so the optimizers must be re-pointed in the same call."""
+        models = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)
+                  and not getattr(obj, "_is_accelerate_prepared", False)]
+        optimizers = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)
+                      and not isinstance(obj, AcceleratedOptimizer)]
+        if not models:
+            return args
+        if len(models) > 1:
+            raise ConfigurationError(f"{type(self._strategy).__name__} prepares one model per Accelerator; "
+                                     f"prepare got {len(models)} models.")
+        if not optimizers and any(p.requires_grad for p in args[models[0]].parameters()):
+            raise ConfigurationError(f"{type(self._strategy).__name__} needs the model and its optimizer in the same "
+                                     "call: `model, optimizer = accelerator.prepare(model, optimizer)`.")
+        index = models[0]
+        placement = self.device_placement if placements[index] is None else placements[index]
+        model, new_optimizers = self._strategy.prepare_model_and_optimizers(
+            args[index], [args[i] for i in optimizers], device_placement=placement)
+        model._is_accelerate_prepared = True
+        self._models.append(model)
+        result = list(args)
+        result[index] = model
+        for i, optimizer in zip(optimizers, new_optimizers):
+            result[i] = self.prepare_optimizer(optimizer, device_placement=False)
+        return tuple(result)
 
     def _prepare_first_pass(self, obj: Any, placement: bool | None) -> Any:
         if isinstance(obj, torch.utils.data.DataLoader):
@@ -83,8 +111,7 @@ class PrepareMixin:
             placement = False  # its layers already sit where the map put them
         if placement:
             model = model.to(self.device)
-        if self._precision.native_amp:
-            self._precision.wrap_forward(model)
+        self._strategy.apply_precision(model)
         wrapped = model if evaluation_mode else self._strategy.wrap_model(model)
         if self._settings.dynamo_backend != "NO":
             wrapped = torch.compile(wrapped, backend=self._settings.dynamo_backend.lower(),
@@ -101,7 +128,7 @@ class PrepareMixin:
             return optimizer
         placement = self.device_placement if device_placement is None else device_placement
         prepared = AcceleratedOptimizer(optimizer, device_placement=placement, scaler=self._precision.scaler,
-                                        device=self.device)
+                                        device=self.device, engine_managed=self._strategy.engine_steps_optimizer)
         self._optimizers.append(prepared)
         return prepared
 

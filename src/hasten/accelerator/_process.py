@@ -22,11 +22,6 @@ class ProcessControlMixin:
         return self.state.device
 
     @property
-    def distributed_type(self) -> Any:
-        """Accelerate's ``DistributedType`` of this run."""
-        return self.state.distributed_type
-
-    @property
     def num_processes(self) -> int:
         return self.state.num_processes
 

@@ -96,12 +96,14 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self._settings = resolve_settings(
             {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
              "gradient_accumulation_plugin": gradient_accumulation_plugin, "dynamo_backend": dynamo_backend,
-             "dynamo_plugin": dynamo_plugin, "cpu": cpu}, launch)
+             "dynamo_plugin": dynamo_plugin, "cpu": cpu, "fsdp_plugin": fsdp_plugin,
+             "deepspeed_plugin": deepspeed_plugin or deepspeed_plugins}, launch)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         self.state = AcceleratorState(mixed_precision=self._settings.mixed_precision, cpu=self._settings.cpu,
                                       _from_accelerator=True, **init_kwargs)
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)
+        self.state.distributed_type = self._strategy.distributed_type
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
             num_steps=self._settings.gradient_accumulation_steps, adjust_scheduler=False)
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
@@ -113,8 +115,6 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                            megatron_lm_plugin: Any, parallelism_config: Any) -> None:
         if deepspeed_plugin is not None and deepspeed_plugins is not None:
             raise ConfigurationError("deepspeed_plugin and deepspeed_plugins are aliases: pass only one.")
-        _unsupported("deepspeed_plugin", deepspeed_plugin or deepspeed_plugins, "DeepSpeed is not built yet")
-        _unsupported("fsdp_plugin", fsdp_plugin, "FSDP2 is not built yet")
         _unsupported("torch_tp_plugin", torch_tp_plugin, "tensor parallelism is not available")
         _unsupported("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM is not available")
         _unsupported("parallelism_config", parallelism_config, "N-D parallelism is not available")
@@ -211,12 +211,17 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     @property
+    def distributed_type(self) -> Any:
+        """Accelerate's ``DistributedType`` of this run (FSDP / DEEPSPEED when sharded)."""
+        return self._strategy.distributed_type
+
+    @property
     def is_fsdp2(self) -> bool:
-        return False
+        return self._strategy.is_fsdp2
 
     @property
     def deepspeed_plugin(self) -> Any:
-        return None
+        return getattr(self._strategy, "deepspeed_plugin", None)
 
     # ---------------------------------------------------------------------------------- the step
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

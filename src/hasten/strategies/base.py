@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,12 @@ class Strategy:
     divides_loss_for_accumulation = True
     #: True when model and optimizer must be prepared together (FSDP2, DeepSpeed).
     needs_model_and_optimizer_together = False
+    #: True when save_state/load_state must hand models and optimizers to this strategy (sharded formats).
+    saves_models_itself = False
+    #: True when the engine applies the optimizer step (and zero_grad) itself inside backward (DeepSpeed).
+    engine_steps_optimizer = False
+    #: Accelerate's ``accelerator.is_fsdp2``.
+    is_fsdp2 = False
 
     def __init__(self, device: torch.device, precision: Precision, distributed_type: DistributedType,
                  num_processes: int = 1) -> None:
@@ -35,6 +42,38 @@ class Strategy:
         self.precision = precision
         self.distributed_type = distributed_type
         self.num_processes = num_processes
+
+    def apply_precision(self, model: nn.Module) -> None:
+        """Give the model's forward this run's mixed precision (autocast + fp32 outputs by default)."""
+        if self.precision.native_amp:
+            self.precision.wrap_forward(model)
+
+    def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
+                                     device_placement: bool = True) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+        """Strategies that shard parameters wrap the model and re-point the optimizers at the new parameters.
+
+        Returns the wrapped model and the (raw) optimizers to use; the facade wraps those for
+        accumulation. Only called when ``needs_model_and_optimizer_together``.
+        """
+        if device_placement:
+            model = model.to(self.device)
+        self.apply_precision(model)
+        return self.wrap_model(model), optimizers
+
+    def save_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                                   folder: Path) -> None:
+        """Write model and optimizer state into ``folder`` (every process calls it; sharded strategies only)."""
+        raise NotImplementedError(f"{type(self).__name__} saves models through the common files")
+
+    def check_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                                    folder: Path) -> None:
+        """Raise before anything is loaded if ``folder`` cannot be loaded into these models/optimizers."""
+        raise NotImplementedError(f"{type(self).__name__} loads models through the common files")
+
+    def load_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                                   folder: Path) -> None:
+        """Read what :meth:`save_models_and_optimizers` wrote (every process calls it)."""
+        raise NotImplementedError(f"{type(self).__name__} loads models through the common files")
 
     def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
         """Wrap an already placed model for this strategy (the single-device strategy keeps it)."""
