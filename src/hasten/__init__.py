@@ -26,6 +26,8 @@ _EXPORTS = {
     "DataLoaderConfiguration": "hasten.utils.dataclasses",
     "DDPCommunicationHookType": "hasten.utils.dataclasses",
     "synchronize_rng_states": "hasten.ops.random",
+    "ProfileKwargs": "hasten.utils.dataclasses",
+    "TorchDynamoPlugin": "hasten.utils.dataclasses",
 }
 
 

@@ -82,7 +82,7 @@ def _dynamo(backend: Any, plugin: Any, launch: Mapping[str, Any]) -> tuple[str, 
                                  "pass only one.")
     kwargs: dict[str, Any] = {}
     if plugin is not None:
-        name = str(getattr(plugin, "backend", "no"))
+        name = "no" if getattr(plugin, "disable", False) else str(getattr(plugin, "backend", "no"))
         for key in ("mode", "fullgraph", "dynamic"):
             if getattr(plugin, key, None) is not None:
                 kwargs[key] = getattr(plugin, key)

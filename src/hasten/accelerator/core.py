@@ -24,6 +24,7 @@ from hasten.precision import detach_autocast_forward
 from hasten.state import AcceleratorState, GradientState
 from hasten.tracking import filter_trackers
 from hasten.utils.dataclasses import (
+    PROFILE_PATTERN_NAME,
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
@@ -31,6 +32,7 @@ from hasten.utils.dataclasses import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
     KwargsHandler,
+    ProfileKwargs,
     ProjectConfiguration,
 )
 
@@ -40,6 +42,7 @@ _HANDLER_ATTRIBUTES = {
     GradScalerKwargs: "scaler_handler",
     InitProcessGroupKwargs: "init_handler",
     AutocastKwargs: "autocast_handler",
+    ProfileKwargs: "profile_handler",
 }
 
 
@@ -382,6 +385,24 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         from hasten.data import skip_first_batches
 
         return skip_first_batches(dataloader, num_batches=num_batches)
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Iterator[Any]:
+        """Profile the block with ``torch.profiler``; with ``output_trace_dir`` each process writes
+        ``profile_{rank}.json`` (a Chrome trace).
+
+        Example:
+            >>> with accelerator.profile(ProfileKwargs(output_trace_dir="traces")) as prof:
+            ...     train_step()
+        """
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir is not None:
+            os.makedirs(handler.output_trace_dir, exist_ok=True)
+            profiler.export_chrome_trace(os.path.join(handler.output_trace_dir,
+                                                      PROFILE_PATTERN_NAME.format(suffix=self.process_index)))
+            self.wait_for_everyone()
 
     def verify_device_map(self, model: nn.Module) -> bool:
         """True when ``model`` was dispatched over several devices with a device map."""

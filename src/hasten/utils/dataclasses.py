@@ -266,3 +266,75 @@ class ProjectConfiguration:
 def dataclass_field_names(obj: Any) -> list[str]:
     """Names of a dataclass's fields (helper for config round trips)."""
     return [f.name for f in fields(obj)]
+
+
+@dataclass
+class TorchDynamoPlugin(KwargsHandler):
+    """``torch.compile`` settings for prepared models.
+
+    Example:
+        >>> TorchDynamoPlugin(backend="inductor", mode="reduce-overhead")
+    """
+
+    backend: DynamoBackend | str | None = None
+    mode: str | None = None
+    fullgraph: bool | None = None
+    dynamic: bool | None = None
+    options: Any = None
+    disable: bool = False
+    use_regional_compilation: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend is None:
+            self.backend = DynamoBackend.NO
+        name = str(getattr(self.backend, "value", self.backend)).upper()
+        if name not in DynamoBackend.list():
+            raise ValueError(f"TorchDynamoPlugin(backend={self.backend!r}): choose one of {DynamoBackend.list()}")
+        self.backend = DynamoBackend(name)
+
+
+PROFILE_PATTERN_NAME = "profile_{suffix}.json"
+
+
+@dataclass
+class ProfileKwargs(KwargsHandler):
+    """``torch.profiler.profile`` settings for ``accelerator.profile()``.
+
+    Args:
+        activities: "cpu", "cuda", "xpu" (default: what is available).
+        schedule_option: keyword arguments of ``torch.profiler.schedule`` (wait, warmup, active, repeat, skip_first).
+        on_trace_ready: callable run when a trace is ready.
+        output_trace_dir: write a Chrome trace ``profile_{rank}.json`` per process there.
+
+    Example:
+        >>> ProfileKwargs(activities=["cpu"], record_shapes=True, output_trace_dir="traces")
+    """
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Any = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def build(self) -> Any:
+        """The ``torch.profiler.profile`` object these settings describe."""
+        import torch
+
+        names = {"cpu": torch.profiler.ProfilerActivity.CPU, "cuda": torch.profiler.ProfilerActivity.CUDA}
+        if hasattr(torch.profiler.ProfilerActivity, "XPU"):
+            names["xpu"] = torch.profiler.ProfilerActivity.XPU
+        activities = None
+        if self.activities is not None:
+            unknown = [a for a in self.activities if a not in names]
+            if unknown:
+                raise ValueError(f"ProfileKwargs(activities={self.activities!r}): unknown {unknown}; use {sorted(names)}")
+            activities = [names[a] for a in self.activities]
+        schedule = torch.profiler.schedule(**self.schedule_option) if self.schedule_option else None
+        return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self.on_trace_ready,
+                                      record_shapes=self.record_shapes, profile_memory=self.profile_memory,
+                                      with_stack=self.with_stack, with_flops=self.with_flops,
+                                      with_modules=self.with_modules)
