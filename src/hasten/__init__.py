@@ -27,6 +27,7 @@ _EXPORTS = {
     "DDPCommunicationHookType": "hasten.utils.dataclasses",
     "synchronize_rng_states": "hasten.ops.random",
     "ProfileKwargs": "hasten.utils.dataclasses",
+    "find_executable_batch_size": "hasten.utils.memory",
     "TorchDynamoPlugin": "hasten.utils.dataclasses",
 }
 

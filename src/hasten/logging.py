@@ -1,4 +1,8 @@
-"""Rank-aware logging: ``get_logger(__name__)`` logs once (main process) unless told otherwise.
+"""Rank-aware logging: ``get_logger(__name__)`` logs once (on the main process) unless told otherwise.
+
+Every record carries the rank of the process that wrote it (``record.rank``, usable in a format string
+as ``%(rank)s``), and with several processes the message is prefixed by ``[RANK i]``. The level can be
+set for all hasten-style loggers with ``HASTEN_LOG_LEVEL`` (e.g. ``HASTEN_LOG_LEVEL=INFO``).
 
 Example:
     >>> logger = get_logger(__name__, log_level="INFO")
@@ -16,55 +20,84 @@ from typing import Any
 from hasten.config.env import log_level as env_log_level
 
 
+def _state() -> Any:
+    from hasten.state import PartialState
+
+    if not PartialState._shared_state:
+        raise RuntimeError("You must initialize the hasten state by calling either `PartialState()` or "
+                           "`Accelerator()` before using the logging utility.")
+    return PartialState()
+
+
 class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """A logger adapter whose calls accept ``main_process_only`` and ``in_order``; records carry the rank."""
+    """A logger adapter whose calls accept ``main_process_only`` (default True) and ``in_order`` (default False).
 
-    @staticmethod
-    def _should_log(main_process_only: bool) -> bool:
-        from hasten.state import PartialState
-
-        state = PartialState()
-        return not main_process_only or state.is_main_process
+    - ``main_process_only=True``: only the main process (global rank 0) emits the record.
+    - ``main_process_only=False``: every process emits it.
+    - ``main_process_only=False, in_order=True``: every process emits it, rank 0 first, then rank 1, ...
+      This is a collective (processes wait for each other): every process must make the call. Accelerate
+      accepts the flag but prints in arbitrary order in that case; hasten orders the output.
+    """
 
     def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
-        from hasten.state import PartialState
-
-        if not PartialState._shared_state:
-            raise RuntimeError("You must initialize the hasten state by calling either `PartialState()` or "
-                               "`Accelerator()` before using the logging utility.")
+        state = _state()
         main_process_only = kwargs.pop("main_process_only", True)
         in_order = kwargs.pop("in_order", False)
+        # Report the caller of logger.info(...)/logger.log(...), not this adapter.
         kwargs.setdefault("stacklevel", 2)
         if not self.isEnabledFor(level):
             return
-        state = PartialState()
-        if self._should_log(main_process_only):
-            msg, kwargs = self.process(msg, kwargs)
-            self.logger.log(level, msg, *args, **kwargs)
-        elif in_order:
-            for i in range(state.num_processes):
-                if i == state.process_index:
-                    msg, kwargs = self.process(msg, kwargs)
-                    self.logger.log(level, msg, *args, **kwargs)
-                state.wait_for_everyone()
+        if main_process_only:
+            if state.is_main_process:
+                self._emit(level, msg, args, kwargs)
+            return
+        if not in_order or state.num_processes == 1:
+            self._emit(level, msg, args, kwargs)
+            return
+        for rank in range(state.num_processes):
+            if rank == state.process_index:
+                self._emit(level, msg, args, kwargs)
+                for handler in _handlers(self.logger):
+                    handler.flush()  # the output must leave this process before the next rank writes
+            state.wait_for_everyone()
+
+    def _emit(self, level: int, msg: Any, args: tuple[Any, ...], kwargs: MutableMapping[str, Any]) -> None:
+        msg, kwargs = self.process(msg, kwargs)
+        # +1: this helper adds a frame between the caller and Logger.log
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+        self.logger.log(level, msg, *args, **kwargs)
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
-        from hasten.state import PartialState
-
-        state = PartialState()
-        extra = dict(kwargs.get("extra") or {})
+        """Add ``rank`` to the record's ``extra`` and prefix ``[RANK i]`` when there are several processes."""
+        state = _state()
+        extra = dict(self.extra or {})
+        extra.update(kwargs.get("extra") or {})
         extra.setdefault("rank", state.process_index)
         kwargs["extra"] = extra
-        prefix = f"[RANK {state.process_index}] " if state.num_processes > 1 else ""
-        return f"{prefix}{msg}", kwargs
+        if state.num_processes > 1:
+            msg = f"[RANK {state.process_index}] {msg}"
+        return msg, kwargs
 
     def warning_once(self, *args: Any, **kwargs: Any) -> None:
-        """Log a warning only the first time this exact message is seen."""
-        key = (args, tuple(sorted(kwargs.items())))
+        """Log a warning only the first time this exact message (and options) is seen by this logger."""
+        key = repr((args, sorted(kwargs.items())))
         seen = self.__dict__.setdefault("_seen", set())
         if key not in seen:
             seen.add(key)
+            kwargs.setdefault("stacklevel", 2)
+            kwargs["stacklevel"] += 1
             self.warning(*args, **kwargs)
+
+
+def _handlers(logger: logging.Logger) -> list[logging.Handler]:
+    handlers: list[logging.Handler] = []
+    current: logging.Logger | None = logger
+    while current is not None:
+        handlers.extend(current.handlers)
+        current = current.parent if current.propagate else None
+    if not handlers and logging.lastResort is not None:
+        handlers.append(logging.lastResort)
+    return handlers
 
 
 def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
@@ -72,7 +105,13 @@ def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
 
     Args:
         name: the logger's name, usually ``__name__``.
-        log_level: e.g. ``"INFO"``; defaults to ``HASTEN_LOG_LEVEL`` when set.
+        log_level: e.g. ``"INFO"``; defaults to ``HASTEN_LOG_LEVEL`` when that is set. As in Accelerate,
+            a level given here (or by the variable) is also set on the root logger.
+
+    Example:
+        >>> logger = get_logger(__name__, log_level="INFO")
+        >>> logger.info("loss %.3f", 0.25)                                   # main process only
+        >>> logger.warning("rank-local note", main_process_only=False)        # every process
     """
     level = log_level or env_log_level()
     logger = logging.getLogger(name)

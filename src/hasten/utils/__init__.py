@@ -33,6 +33,9 @@ _add("hasten.ops.random", "set_seed", "synchronize_rng_state", "synchronize_rng_
 _add("hasten.utils.other", "wait_for_everyone")
 _add("hasten.logging", "get_logger")
 _add("hasten.utils.serialization", "save_atomically")
+_add("hasten.utils.memory", "find_executable_batch_size", "release_memory", "clear_device_cache",
+     "should_reduce_batch_size")
+_add("hasten.tracking", "filter_trackers", "get_available_trackers")
 
 
 def __getattr__(name: str) -> Any:
@@ -46,3 +49,8 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(list(globals()) + list(_EXPORTS))
+
+
+# Eager on purpose: once `hasten.utils.tqdm` (the module) is imported, a lazy attribute would resolve to
+# the module instead of the function.
+from hasten.utils.tqdm import tqdm  # noqa: E402
