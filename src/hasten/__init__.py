@@ -28,6 +28,15 @@ _EXPORTS = {
     "synchronize_rng_states": "hasten.ops.random",
     "ProfileKwargs": "hasten.utils.dataclasses",
     "find_executable_batch_size": "hasten.utils.memory",
+    "cpu_offload": "hasten.big_modeling",
+    "cpu_offload_with_hook": "hasten.big_modeling",
+    "disk_offload": "hasten.big_modeling",
+    "dispatch_model": "hasten.big_modeling",
+    "init_empty_weights": "hasten.big_modeling",
+    "init_on_device": "hasten.big_modeling",
+    "load_checkpoint_and_dispatch": "hasten.big_modeling",
+    "infer_auto_device_map": "hasten.big_modeling",
+    "load_checkpoint_in_model": "hasten.big_modeling",
     "TorchDynamoPlugin": "hasten.utils.dataclasses",
 }
 
