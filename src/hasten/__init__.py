@@ -28,6 +28,7 @@ _EXPORTS = {
     "synchronize_rng_states": "hasten.ops.random",
     "ProfileKwargs": "hasten.utils.dataclasses",
     "find_executable_batch_size": "hasten.utils.memory",
+    "FullyShardedDataParallelPlugin": "hasten.config.plugins.fsdp",
     "cpu_offload": "hasten.big_modeling",
     "cpu_offload_with_hook": "hasten.big_modeling",
     "disk_offload": "hasten.big_modeling",

@@ -168,4 +168,5 @@ def build_parts(settings: Settings, device: torch.device, distributed_type: Dist
                                          ddp_kwargs=handlers.get(DistributedDataParallelKwargs))
     else:
         strategy = SingleDeviceStrategy(device, precision, distributed_type, num_processes)
-    return precision, strategy
+    # An engine that casts and scales by itself (DeepSpeed) replaces the precision plugin by plain fp32.
+    return strategy.precision, strategy

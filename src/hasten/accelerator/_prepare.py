@@ -62,6 +62,7 @@ class PrepareMixin:
                                      "call: `model, optimizer = accelerator.prepare(model, optimizer)`.")
         index = models[0]
         placement = self.device_placement if placements[index] is None else placements[index]
+        self._strategy.observe_prepare_call(args, split_batches=self.split_batches)
         model, new_optimizers = self._strategy.prepare_model_and_optimizers(
             args[index], [args[i] for i in optimizers], device_placement=placement)
         model._is_accelerate_prepared = True

@@ -103,6 +103,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
              "deepspeed_plugin": deepspeed_plugin or deepspeed_plugins}, launch)
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         self.state = AcceleratorState(mixed_precision=self._settings.mixed_precision, cpu=self._settings.cpu,
+                                      fsdp_plugin=self._settings.fsdp_plugin,
+                                      deepspeed_plugin=self._settings.deepspeed_plugin,
                                       _from_accelerator=True, **init_kwargs)
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,12 @@ class Strategy:
         """Give the model's forward this run's mixed precision (autocast + fp32 outputs by default)."""
         if self.precision.native_amp:
             self.precision.wrap_forward(model)
+
+    def observe_prepare_call(self, objects: Sequence[Any], *, split_batches: bool = False) -> None:
+        """See every object of a ``prepare`` call before its model is prepared (default: nothing).
+
+        DeepSpeed reads the data loaders' batch sizes and the schedulers here to fill its "auto" config.
+        """
 
     def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
                                      device_placement: bool = True) -> tuple[nn.Module, list[torch.optim.Optimizer]]:

@@ -1,0 +1,226 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), and merging them into one file.
+
+Layout inside a ``save_state`` folder (Accelerate's names, so ``merge-weights`` reads either library's
+folders): ``pytorch_model_fsdp_{i}/`` holds model ``i`` as ``{"model": state_dict}`` and
+``optimizer_{i}/`` holds optimizer ``i`` as ``{"optimizer": state_dict}``; each folder has DCP's
+``.metadata`` plus one ``__{rank}_{n}.distcp`` file per writing rank. Every rank writes only its
+shards. Reading checks the metadata (keys and global shapes) before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hasten.checkpointing.rng import CheckpointError
+
+MODEL_DIR = "pytorch_model_fsdp_{index}"
+OPTIMIZER_DIR = "optimizer_{index}"
+METADATA_FILE = ".metadata"
+
+
+def model_dir(folder: Path, index: int) -> Path:
+    """The DCP folder of model ``index`` inside a checkpoint folder."""
+    return folder / MODEL_DIR.format(index=index)
+
+
+def optimizer_dir(folder: Path, index: int) -> Path:
+    """The DCP folder of optimizer ``index`` inside a checkpoint folder."""
+    return folder / OPTIMIZER_DIR.format(index=index)
+
+
+def is_dcp_folder(path: Path) -> bool:
+    """True when ``path`` is a complete DCP checkpoint (its metadata file is written last)."""
+    return (path / METADATA_FILE).is_file()
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP metadata of ``path``; CheckpointError naming the folder when missing or unreadable."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not is_dcp_folder(path):
+        raise CheckpointError(f"{path} is not a torch.distributed.checkpoint folder (no {METADATA_FILE}); the save "
+                              "was interrupted or the path is wrong.")
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"Could not read the checkpoint metadata in {path}: {exc}") from exc
+
+
+def saved_tensor_shapes(path: Path, prefix: str) -> dict[str, tuple[int, ...]]:
+    """``{name: global shape}`` of the tensors saved under ``prefix`` (e.g. ``"model"``) in a DCP folder."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    lead = f"{prefix}." if prefix else ""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, meta in read_metadata(path).state_dict_metadata.items():
+        if key.startswith(lead) and isinstance(meta, TensorStorageMetadata):
+            shapes[key[len(lead):]] = tuple(meta.size)
+    return shapes
+
+
+def check_model_folder(model: nn.Module, path: Path) -> None:
+    """Raise CheckpointError unless ``path`` holds exactly ``model``'s tensors with the same global shapes."""
+    saved = saved_tensor_shapes(path, "model")
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    wrong = [f"{k}: saved {saved[k]} vs model {expected[k]}" for k in expected if k in saved and saved[k] != expected[k]]
+    problems = [f"{label} {items[:8]}{' ...' if len(items) > 8 else ''}"
+                for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                                     ("shape mismatches", wrong)) if items]
+    if problems:
+        raise CheckpointError(f"{path} does not match the prepared model {type(model).__name__}: "
+                              + "; ".join(problems) + ". Nothing was loaded.")
+
+
+# ----------------------------------------------------------------------------- sharded save / load
+def save_model(model: nn.Module, path: Path) -> None:
+    """Every rank writes its shards of ``model`` to the DCP folder ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+
+
+def load_model(model: nn.Module, path: Path) -> None:
+    """Every rank reads its shards of ``model`` from the DCP folder ``path`` (resharding if needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+
+
+def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Every rank writes its shards of ``optimizer``'s state (keyed by parameter names) to ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path))
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Read ``optimizer``'s state from ``path``; hyper-parameters (lr, betas...) come back too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # get_optimizer_state_dict creates the lazily built state (Adam's moments) first, so DCP has
+    # tensors of the right shards to read into even before the first step.
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+# ------------------------------------------------------------------------------- full (gathered)
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The gathered state dict on CPU, on rank 0 only (other ranks get ``{}``); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The gathered optimizer state dict on CPU, on rank 0 only; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Shard rank 0's full ``state`` into ``model`` (the other ranks pass ``{}``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, dict(state),
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Shard rank 0's full optimizer ``state`` into ``optimizer`` (the other ranks pass ``{}``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, dict(state),
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+# ------------------------------------------------------------------------------------- merging
+def read_full_state(path: Path) -> dict[str, torch.Tensor]:
+    """Read every tensor of a DCP model folder in one process (no process group), keys without ``model.``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(path)
+    tensors = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+               for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    if not tensors:
+        raise CheckpointError(f"{path} holds no tensors to merge.")
+    try:
+        with warnings.catch_warnings():  # loading in one process is the point here, not a mistake
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+    except Exception as exc:
+        raise CheckpointError(f"Could not read the shards in {path}: {exc}. A .distcp file is missing or damaged.") from exc
+    if all(key.startswith("model.") for key in tensors):
+        tensors = {key[len("model."):]: value for key, value in tensors.items()}
+    return tensors
+
+
+def _model_folders(checkpoint_dir: Path) -> list[Path]:
+    """The DCP model folders named by ``checkpoint_dir``: itself, or the ``pytorch_model_fsdp_*`` inside it."""
+    if is_dcp_folder(checkpoint_dir):
+        return [checkpoint_dir]
+    folders = []
+    while is_dcp_folder(model_dir(checkpoint_dir, len(folders))):
+        folders.append(model_dir(checkpoint_dir, len(folders)))
+    if not folders:
+        raise CheckpointError(f"{checkpoint_dir} is neither a torch.distributed.checkpoint folder nor a save_state "
+                              f"folder holding {MODEL_DIR.format(index=0)}/ (saved with state_dict_type="
+                              "'SHARDED_STATE_DICT').")
+    return folders
+
+
+def merge_sharded_weights(checkpoint_dir: str | Path, output_path: str | Path, safe_serialization: bool = True,
+                          remove_checkpoint_dir: bool = False) -> list[Path]:
+    """Merge a sharded model checkpoint into ``output_path/model.safetensors`` (or ``pytorch_model.bin``).
+
+    ``checkpoint_dir`` is a DCP model folder (``pytorch_model_fsdp_0``) or a ``save_state`` folder;
+    with several models in it, model ``i`` goes to ``model_{i}.safetensors``. Runs in one process
+    on the CPU. Accelerate's ``merge_fsdp_weights`` with the same arguments.
+
+    Example:
+        >>> merge_sharded_weights("ckpt/checkpoint_0", "merged")
+        [PosixPath('merged/model.safetensors')]
+
+    Raises:
+        CheckpointError: the folder is not a sharded checkpoint, or a shard is missing or damaged.
+    """
+    from hasten.checkpointing.files import save_model_weights
+
+    source = Path(checkpoint_dir).expanduser()
+    if not source.is_dir():
+        raise CheckpointError(f"Checkpoint folder {source} does not exist.")
+    folders = _model_folders(source)
+    target = Path(output_path).expanduser()
+    target.mkdir(parents=True, exist_ok=True)
+    written = [save_model_weights(read_full_state(folder), target, index, safe_serialization)
+               for index, folder in enumerate(folders)]
+    if remove_checkpoint_dir:
+        shutil.rmtree(source)
+    return written
+
+
+#: Accelerate's name (``accelerate.utils.merge_fsdp_weights``), same arguments.
+merge_fsdp_weights = merge_sharded_weights
+
+__all__ = ["MODEL_DIR", "OPTIMIZER_DIR", "check_model_folder", "full_model_state", "full_optimizer_state",
+           "is_dcp_folder", "load_full_model_state", "load_full_optimizer_state", "load_model", "load_optimizer",
+           "merge_fsdp_weights", "merge_sharded_weights", "model_dir", "optimizer_dir", "read_full_state", "read_metadata", "save_model",
+           "save_optimizer", "saved_tensor_shapes"]

@@ -1,0 +1,471 @@
+"""Sharded training with FSDP2 (``torch.distributed.fsdp.fully_shard``) over a one-dimensional device mesh.
+
+``prepare(model, optimizer)`` shards every wrap unit (see ``_fsdp2_wrap``), then the root, and points
+the optimizer at the new (DTensor) parameters. Every rank ends up with rank 0's weights: rank 0's full
+state dict is scattered into the shards, so ranks need not build identical models, and with
+``cpu_ram_efficient_loading`` (or a model whose parameters are on the meta device, e.g. built under
+``init_empty_weights``) the other ranks never hold a full copy. With one process hasten runs FSDP2 on
+a one-rank mesh (its own single-process group if none exists), so the same script works unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin, ignored_module_list
+from hasten.exceptions import ConfigurationError
+from hasten.strategies._fsdp2_wrap import build_wrap_policy, checkpoint_targets, select_units
+from hasten.strategies.base import Strategy, unwrap_common
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+
+
+def _io() -> tuple[Any, Any, type[Exception]]:
+    """The checkpoint modules (a higher layer than strategies: imported when a checkpoint is touched)."""
+    from hasten.checkpointing import dcp, files
+    from hasten.checkpointing.rng import CheckpointError
+
+    return dcp, files, CheckpointError
+
+
+def _dtype(value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    key = str(value).replace("torch.", "").lower()
+    if key not in _DTYPES:
+        raise ConfigurationError(f"mixed_precision_policy dtype {value!r}: use one of {sorted(_DTYPES)} or a torch.dtype.")
+    return _DTYPES[key]
+
+
+def is_fsdp2_module(model: Any) -> bool:
+    """True for a module sharded with ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+class FSDP2Strategy(Strategy):
+    """Parameters, gradients and optimizer state sharded across processes (FSDP2).
+
+    Args:
+        device: this process's device.
+        precision: the precision plugin (its mode becomes FSDP's ``MixedPrecisionPolicy`` unless the
+            plugin sets one).
+        distributed_type: ``DistributedType.FSDP``.
+        num_processes: processes in the run (1 works: a one-rank mesh).
+        plugin: the ``FullyShardedDataParallelPlugin`` (defaults when None).
+
+    Example:
+        >>> accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(reshard_after_forward=False))
+        >>> model, optimizer = accelerator.prepare(model, optimizer)
+    """
+
+    needs_model_and_optimizer_together = True
+    saves_models_itself = True
+    is_fsdp2 = True
+
+    def __init__(self, device: torch.device, precision: Any, distributed_type: Any, num_processes: int = 1, *,
+                 plugin: FullyShardedDataParallelPlugin | None = None) -> None:
+        super().__init__(device, precision, distributed_type, num_processes)
+        if plugin is None:
+            plugin = FullyShardedDataParallelPlugin()
+        if not isinstance(plugin, FullyShardedDataParallelPlugin):
+            raise ConfigurationError(f"fsdp_plugin must be a hasten FullyShardedDataParallelPlugin, got "
+                                     f"{type(plugin).__module__}.{type(plugin).__name__}; build it with "
+                                     "`from hasten import FullyShardedDataParallelPlugin`.")
+        self.fsdp_plugin = plugin
+        self._mesh: Any = None
+
+    # ------------------------------------------------------------------------------ mesh and policies
+    @property
+    def device_mesh(self) -> Any:
+        """The 1-D data-parallel ``DeviceMesh`` over every process (created on first use)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            _ensure_process_group(self.device)
+            self._mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        return self._mesh
+
+    def mixed_precision_policy(self) -> Any:
+        """FSDP's ``MixedPrecisionPolicy``: the plugin's, else one derived from ``mixed_precision``.
+
+        bf16/fp16 gather parameters and compute in half precision while gradients are reduced in
+        fp32 and the optimizer keeps fp32 shards (the accurate choice; FSDP's default reduces in the
+        parameter dtype).
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        value = self.fsdp_plugin.mixed_precision_policy
+        if value is None and self.precision.mixed_precision in ("bf16", "fp16"):
+            value = self.precision.mixed_precision
+        if value is None or isinstance(value, MixedPrecisionPolicy):
+            return value or MixedPrecisionPolicy()
+        if isinstance(value, dict):
+            unknown = set(value) - {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"}
+            if unknown:
+                raise ConfigurationError(f"mixed_precision_policy keys {sorted(unknown)} are not MixedPrecisionPolicy "
+                                         "fields (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).")
+            return MixedPrecisionPolicy(**{k: (v if k == "cast_forward_inputs" else _dtype(v)) for k, v in value.items()})
+        dtype = _dtype(value)
+        if dtype == torch.float32:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+    def _offload_policy(self) -> Any:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if not self.fsdp_plugin.cpu_offload:
+            return OffloadPolicy()
+        # Pinned memory needs an accelerator; on a CPU-only run the shards simply stay where they are.
+        return self.fsdp_plugin.offload_policy() or CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+
+    # ----------------------------------------------------------------------------------- preparing
+    def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
+                                     device_placement: bool = True) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+        """Shard ``model`` and re-point each optimizer at the sharded parameters (same groups, same state)."""
+        names = _parameter_names(model)
+        foreign = [p for opt in optimizers for group in opt.param_groups for p in group["params"] if id(p) not in names]
+        if foreign:
+            raise ConfigurationError(
+                f"An optimizer passed to prepare holds {len(foreign)} parameter(s) (shapes "
+                f"{[tuple(p.shape) for p in foreign[:4]]}) that are not in {type(model).__name__}. Under FSDP2 "
+                "each optimizer must optimize the parameters of the model prepared with it.")
+        sharded_model = self._shard(model, device_placement)
+        new_params = dict(sharded_model.named_parameters(remove_duplicate=False))
+        for optimizer in optimizers:
+            _repoint_optimizer(optimizer, names, new_params)
+        return sharded_model, optimizers
+
+    def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
+        """Shard a model prepared without an optimizer (frozen, or for inference)."""
+        if evaluation_mode:
+            return model
+        return self._shard(model, device_placement=False)
+
+    def is_wrapped(self, model: nn.Module) -> bool:
+        return is_fsdp2_module(unwrap_common(model))
+
+    def _shard(self, model: nn.Module, device_placement: bool) -> nn.Module:
+        if self.is_wrapped(model):
+            return model
+        plugin = self.fsdp_plugin
+        self.device_mesh  # noqa: B018 - creates the process group and mesh first
+        rank, world = dist.get_rank(), dist.get_world_size()
+        on_meta = any(p.is_meta for p in model.parameters())
+        if _rank0_flag(on_meta, world):  # every rank raises together instead of waiting in a collective
+            raise ConfigurationError(
+                f"{type(model).__name__} has parameters on the meta device on rank 0, so there are no weights to "
+                "shard. Build it with real weights on rank 0; the other ranks may build it on the meta device "
+                "(init_empty_weights) and receive their shards from rank 0.")
+        # Rank 0's weights are the source of truth: every rank receives its shards from them below.
+        source = model.state_dict() if rank == 0 and world > 1 else {}
+        kept_buffers = {name: buf for name, buf in model.named_buffers() if not buf.is_meta}
+        if (plugin.cpu_ram_efficient_loading or on_meta) and rank != 0:
+            _parameters_to_meta(model)  # the full copy on this rank is dropped before sharding
+        elif device_placement and not plugin.cpu_offload:
+            model.to(self.device)
+        self.apply_precision(model)
+        ignored = ignored_module_list(model, plugin.ignored_modules)
+        units = select_units(model, build_wrap_policy(plugin, model), ignored)
+        if plugin.activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            for module in checkpoint_targets(model, units, ignored):
+                checkpoint(module)
+        self._fully_shard(model, units, ignored)
+        if any(p.is_meta for p in model.parameters()):
+            model.to_empty(device="cpu" if plugin.cpu_offload else self.device)
+            _restore_buffers(model, kept_buffers)
+        if world > 1:
+            _io()[0].load_full_model_state(model, source)
+            _broadcast_buffers(model)
+        return model
+
+    def _fully_shard(self, model: nn.Module, units: list[nn.Module], ignored: list[nn.Module]) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = self.fsdp_plugin.reshard_after_forward
+        ignored_params = {p for module in ignored for p in module.parameters()}
+        options: dict[str, Any] = {"mesh": self.device_mesh, "mp_policy": self.mixed_precision_policy(),
+                                   "offload_policy": self._offload_policy()}
+        if ignored_params:
+            options["ignored_params"] = ignored_params
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=reshard, **options)
+        # The root's parameters are needed again at the start of backward: FSDP's default (None) keeps
+        # them gathered instead of freeing and re-gathering them at once.
+        fully_shard(model, reshard_after_forward=None if reshard is True else reshard, **options)
+
+    # ------------------------------------------------------------------------------- the step
+    @contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Accumulate unsharded gradients locally; the next synchronising backward reduce-scatters them."""
+        inner = unwrap_common(model)
+        if not is_fsdp2_module(inner):
+            yield
+            return
+        inner.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            inner.set_requires_gradient_sync(True)
+
+    @contextmanager
+    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
+        inner = unwrap_common(model)
+        if is_fsdp2_module(inner):
+            inner.set_requires_gradient_sync(True)  # FSDP2 decides in backward, so this is enough
+        yield
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over every shard; returns it as a plain tensor (same on every rank).
+
+        Parameters left unsharded (``ignored_modules``) count with their local gradients.
+        """
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        params = [p for p in parameters if p.grad is not None]
+        if not params:
+            return torch.tensor(0.0)
+        sharded_grads = [p.grad for p in params if isinstance(p.grad, DTensor)]
+        local_grads = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+        norms = []
+        if sharded_grads:
+            total = torch.nn.utils.get_total_norm(sharded_grads, norm_type)
+            norms.append(total.full_tensor() if isinstance(total, DTensor) else total)
+        if local_grads:
+            norms.append(torch.nn.utils.get_total_norm(local_grads, norm_type).to(norms[0].device if norms else "cpu"))
+        stacked = torch.stack([n.float() for n in norms])
+        total_norm = stacked.max() if norm_type == float("inf") else torch.linalg.vector_norm(stacked, norm_type)
+        with implicit_replication():  # the plain scale factor multiplies DTensor gradients
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+        return total_norm
+
+    # -------------------------------------------------------------------------------- state dicts
+    def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full state dict on CPU, **on the main process only** (others get ``{}``), as Accelerate does.
+
+        Every process must call it (it gathers). Gathering to one rank keeps memory at one full copy.
+        """
+        inner = unwrap_common(model)
+        if not is_fsdp2_module(inner):
+            return super().model_state_dict(model, unwrap=unwrap)
+        return _io()[0].full_model_state(inner)
+
+    # -------------------------------------------------------------------------------- checkpoints
+    @property
+    def _sharded_format(self) -> bool:
+        return self.fsdp_plugin.state_dict_type == "SHARDED_STATE_DICT"
+
+    def save_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                                   folder: Path) -> None:
+        """SHARDED_STATE_DICT: DCP folders written by every rank; FULL_STATE_DICT: gathered files from rank 0."""
+        sharded, ckpt, _ = _io()
+        inner_models = [unwrap_common(m) for m in models]
+        for i, model in enumerate(inner_models):
+            if self._sharded_format:
+                sharded.save_model(model, sharded.model_dir(folder, i))
+            else:
+                state = sharded.full_model_state(model) if is_fsdp2_module(model) else model.state_dict()
+                if dist.get_rank() == 0:
+                    ckpt.save_model_weights(state, folder, i, safe=True)
+        for i, optimizer in enumerate(optimizers):
+            owner = _owner(optimizer, inner_models)
+            if self._sharded_format:
+                sharded.save_optimizer(owner, optimizer, sharded.optimizer_dir(folder, i))
+            else:
+                state = sharded.full_optimizer_state(owner, optimizer)
+                if dist.get_rank() == 0:
+                    ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
+
+    def check_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                                    folder: Path) -> None:
+        """Check every model/optimizer file or DCP folder (either format loads) before anything changes."""
+        sharded, ckpt, CheckpointError = _io()
+        for i, model in enumerate(models):
+            path = sharded.model_dir(folder, i)
+            if path.is_dir():
+                sharded.check_model_folder(unwrap_common(model), path)
+                continue
+            weights_path = folder / ckpt.SAFE_MODEL.format(suffix=ckpt.suffix(i))
+            if not weights_path.is_file():
+                raise CheckpointError(f"{folder} has no weights for model #{i}: expected the folder {path.name}/ "
+                                      f"(SHARDED_STATE_DICT) or {weights_path.name} (FULL_STATE_DICT).")
+            _check_safetensors(unwrap_common(model), weights_path)
+        for i, _ in enumerate(optimizers):
+            path = sharded.optimizer_dir(folder, i)
+            if path.is_dir():
+                sharded.read_metadata(path)
+            elif not (folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))).is_file():
+                raise CheckpointError(f"{folder} has no state for optimizer #{i}: expected the folder {path.name}/ or "
+                                      f"{ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))}.")
+
+    def load_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                                   folder: Path) -> None:
+        """Load what the checkpoint holds, whichever ``state_dict_type`` it was saved with."""
+        sharded, ckpt, _ = _io()
+        inner_models = [unwrap_common(m) for m in models]
+        for i, model in enumerate(inner_models):
+            path = sharded.model_dir(folder, i)
+            if path.is_dir():
+                sharded.load_model(model, path)
+                continue
+            if is_fsdp2_module(model):
+                weights = ckpt.read_model_weights(folder, i)[1] if dist.get_rank() == 0 else {}
+                sharded.load_full_model_state(model, _fill_tied(model, weights) if weights else {})
+            else:  # a model prepared for evaluation only: every rank holds all of it
+                ckpt.load_model_weights(model, ckpt.read_model_weights(folder, i)[1])
+        for i, optimizer in enumerate(optimizers):
+            owner = _owner(optimizer, inner_models)
+            path = sharded.optimizer_dir(folder, i)
+            if path.is_dir():
+                sharded.load_optimizer(owner, optimizer, path)
+            else:
+                file = folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))
+                state = ckpt.torch_load(file) if dist.get_rank() == 0 else {}
+                sharded.load_full_optimizer_state(owner, optimizer, state)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _ensure_process_group(device: torch.device) -> None:
+    """One process and no group: start a private one-rank group, so FSDP2 runs unchanged."""
+    if dist.is_initialized():
+        return
+    backend = "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+
+
+def _rank0_flag(value: bool, world: int) -> bool:
+    """Rank 0's ``value``, on every rank."""
+    if world == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return bool(holder[0])
+
+
+def _parameter_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> first name`` (tied parameters keep the first of their names)."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return names
+
+
+def _repoint_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], new_params: dict[str, nn.Parameter]) -> None:
+    """Swap each parameter of ``optimizer`` for its sharded replacement, keeping groups and state."""
+    for group in optimizer.param_groups:
+        replaced = []
+        for old in group["params"]:
+            new = new_params[names[id(old)]]
+            if old in optimizer.state:
+                optimizer.state[new] = _shard_state(optimizer.state.pop(old), old, new)
+            replaced.append(new)
+        group["params"] = replaced
+
+
+def _shard_state(state: dict[str, Any], old: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:
+    """Existing per-parameter state (a resumed optimizer) gets the parameter's sharding."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(new, DTensor):
+        return state
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == old.shape:
+            value = distribute_tensor(value.detach().to(new.to_local().device), new.device_mesh, new.placements)
+        out[key] = value
+    return out
+
+
+def _parameters_to_meta(model: nn.Module) -> None:
+    """Replace parameters by meta tensors (tied parameters stay tied); buffers are kept."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.is_meta:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
+
+
+def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """``to_empty`` also wiped real buffers: put back those that had values."""
+    for name, value in buffers.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        owner._buffers[leaf] = value.to(owner._buffers[leaf].device)
+
+
+def _broadcast_buffers(model: nn.Module) -> None:
+    """Buffers are replicated, not sharded: give every rank rank 0's values (non-persistent ones too)."""
+    for buf in model.buffers():
+        dist.broadcast(buf, src=0)
+
+
+def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module:
+    CheckpointError = _io()[2]
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models:
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    raise CheckpointError("A prepared optimizer optimizes none of the prepared models' parameters; prepare it together "
+                          "with its model: `model, optimizer = accelerator.prepare(model, optimizer)`.")
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """``name -> other names of the same parameter`` for tied parameters."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return {n: [a for a in names if a != n] for names in groups.values() if len(names) > 1 for n in names}
+
+
+def _fill_tied(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors keeps one name per tied tensor: give the other names the same tensor again."""
+    for name, aliases in _tied_aliases(model).items():
+        if name not in weights:
+            present = [a for a in aliases if a in weights]
+            if present:
+                weights[name] = weights[present[0]]
+    return weights
+
+
+def _check_safetensors(model: nn.Module, path: Path) -> None:
+    """Keys and global shapes of a ``model.safetensors`` against the model, without reading the tensors."""
+    from safetensors import safe_open
+
+    CheckpointError = _io()[2]
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            saved = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except Exception as exc:
+        raise CheckpointError(f"Could not read checkpoint file {path}: {exc}. It is truncated or corrupted.") from exc
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    aliases = _tied_aliases(model)
+    missing = [k for k in expected if k not in saved and not any(a in saved for a in aliases.get(k, ()))]
+    unexpected = [k for k in saved if k not in expected]
+    wrong = [f"{k}: file {saved[k]} vs model {expected[k]}" for k in saved if k in expected and saved[k] != expected[k]]
+    problems = [f"{label} {items[:8]}" for label, items in
+                (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", wrong)) if items]
+    if problems:
+        raise CheckpointError(f"{path} does not match the prepared model {type(model).__name__}: "
+                              + "; ".join(problems) + ". Nothing was loaded.")
+
+
+__all__ = ["FSDP2Strategy", "is_fsdp2_module"]
