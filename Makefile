@@ -12,8 +12,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 setuptools wheel
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# DeepSpeed builds against the installed torch, so it cannot use pip's isolated build.
+	$(PY) -m pip install --quiet --no-build-isolation deepspeed==0.19.8
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -18,7 +18,7 @@ LAYERS = [
     ["hasten.connector"],
     ["hasten.state", "hasten.logging"],
     ["hasten.data", "hasten.checkpointing", "hasten.optim", "hasten.tracking"],
-    ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd"],
+    ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader"],
     ["hasten.commands", "hasten.testing"],
 ]
 # Accelerate-compatible re-export facades resolve their names lazily, from every layer.

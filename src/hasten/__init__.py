@@ -29,6 +29,8 @@ _EXPORTS = {
     "ProfileKwargs": "hasten.utils.dataclasses",
     "find_executable_batch_size": "hasten.utils.memory",
     "FullyShardedDataParallelPlugin": "hasten.config.plugins.fsdp",
+    "DeepSpeedPlugin": "hasten.config.plugins.deepspeed",
+    "prepare_data_loader": "hasten.data",
     "cpu_offload": "hasten.big_modeling",
     "cpu_offload_with_hook": "hasten.big_modeling",
     "disk_offload": "hasten.big_modeling",

@@ -25,6 +25,8 @@ _add("hasten.utils.dataclasses", "AutocastKwargs", "ComputeEnvironment", "DataLo
 _add("hasten.utils.sizes", "convert_file_size_to_int")
 _add("hasten.config.plugins.fsdp", "FullyShardedDataParallelPlugin")
 _add("hasten.checkpointing.dcp", "merge_fsdp_weights")
+_add("hasten.config.plugins.deepspeed", "DeepSpeedPlugin")
+_add("hasten.utils.deepspeed", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig")
 _add("hasten.utils.environment", "get_int_from_env", "parse_flag_from_env", "patch_environment", "str_to_bool")
 _add("hasten.ops.tree", "concatenate", "convert_to_fp32", "find_batch_size", "find_device", "get_data_structure",
      "honor_type", "ignorant_find_batch_size", "is_namedtuple", "is_torch_tensor", "listify", "recursively_apply",

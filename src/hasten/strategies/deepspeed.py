@@ -1,0 +1,414 @@
+"""DeepSpeed ZeRO (stages 0-3, CPU/NVMe offload) behind the ordinary Accelerator loop.
+
+This is the only hasten module that imports ``deepspeed`` (lazily, when the strategy is built).
+``accelerator.backward(loss)`` runs ``engine.backward(loss)`` and, on synchronising micro-steps,
+``engine.step()`` (clipping, optimizer step, zero_grad, engine-driven scheduler); the prepared
+optimizer's ``step``/``zero_grad`` then do nothing. Checkpoints are the engine's own
+(``engine.save_checkpoint(folder, "pytorch_model")`` on every rank, as in Accelerate).
+
+Where Accelerate fails on the CPU (it counts one process where DeepSpeed sees the whole gloo group),
+hasten hands DeepSpeed the process group it already runs on, so DeepSpeed's world size is
+``accelerator.num_processes``, and selects DeepSpeed's "cpu" accelerator when hasten runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hasten.config.plugins.deepspeed import DeepSpeedPlugin
+from hasten.exceptions import ConfigurationError, DistributedOperationError, MissingDependencyError
+from hasten.precision import Precision
+from hasten.strategies.base import Strategy
+from hasten.utils.dataclasses import DistributedType
+from hasten.utils.deepspeed import DummyOptim, DummyScheduler
+
+#: Checkpoint tag of the i-th model (Accelerate's folder names ``pytorch_model``, ``pytorch_model_1``...).
+MODEL_TAG = "pytorch_model"
+_HIDDEN_SIZE_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                     "zero_optimization.stage3_param_persistence_threshold")
+
+
+def import_deepspeed(device_type: str = "cpu") -> Any:
+    """Import ``deepspeed`` with the accelerator matching hasten's device.
+
+    DeepSpeed picks its accelerator once, at import, from ``DS_ACCELERATOR`` or by probing for GPUs;
+    on a CPU run (including ``cpu=True`` on a GPU machine) it must use its "cpu" accelerator, or it
+    would place the engine on a GPU and talk NCCL to a gloo group. Setting the variable for this
+    third-party library is the one environment write hasten allows itself here.
+
+    Raises:
+        MissingDependencyError: deepspeed is not installed.
+    """
+    if device_type == "cpu" and "deepspeed" not in sys.modules:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise MissingDependencyError("deepspeed", "DeepSpeed training (DeepSpeedPlugin)", extra="deepspeed") from exc
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if device_type == "cpu" and get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())  # deepspeed was imported earlier for a GPU
+    return deepspeed
+
+
+def zero3_init_context(plugin: DeepSpeedPlugin, enable: bool = False) -> Any:
+    """``deepspeed.zero.Init`` for ``plugin``'s config (models are created partitioned), or a null context."""
+    if not enable:
+        return nullcontext()
+    deepspeed = import_deepspeed("cpu" if not torch.cuda.is_available() else "cuda")
+    return deepspeed.zero.Init(config_dict_or_path=plugin.deepspeed_config)
+
+
+def set_z3_leaf_modules_by_name(model: nn.Module, class_names: Sequence[str]) -> None:
+    """Mark the modules whose class name is in ``class_names`` as ZeRO-3 leaf modules (MoE layers)."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    wanted = {name.strip() for name in class_names if name.strip()}
+    classes = list({type(m) for m in model.modules() if type(m).__name__ in wanted})
+    missing = wanted - {c.__name__ for c in classes}
+    if missing:
+        raise ConfigurationError(f"transformer_moe_cls_names names classes not found in the model: {sorted(missing)}.")
+    set_z3_leaf_modules(model, classes)
+
+
+def _ensure_process_group(device: torch.device, num_processes: int) -> None:
+    """DeepSpeed needs torch.distributed; reuse hasten's group, or open a 1-rank one for a single process."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if num_processes != 1:
+            raise DistributedOperationError(f"DeepSpeed: {num_processes} processes expected but torch.distributed is "
+                                            "not initialised; start the run with `hasten launch`.")
+        # A private in-memory store: no port, no environment variables, nothing to clean up.
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    if dist.get_world_size() != num_processes:
+        raise DistributedOperationError(f"DeepSpeed would see {dist.get_world_size()} processes but hasten counts "
+                                        f"{num_processes}; initialise one process group for the whole run.")
+
+
+class DeepSpeedStrategy(Strategy):
+    """ZeRO data parallelism through ``deepspeed.initialize``.
+
+    Args:
+        device: this process's device.
+        precision: the Accelerator's precision; its mode goes into the DeepSpeed config (the engine
+            casts and scales itself, so hasten's autocast and GradScaler are not used).
+        distributed_type: ``DistributedType.DEEPSPEED``.
+        num_processes: processes in the run (DeepSpeed's world size).
+        plugin: the :class:`DeepSpeedPlugin`.
+        gradient_accumulation_steps: the Accelerator's accumulation steps (fills ``"auto"``).
+    """
+
+    divides_loss_for_accumulation = False  # engine.backward divides by the config's accumulation steps
+    needs_model_and_optimizer_together = True
+    saves_models_itself = True
+    engine_steps_optimizer = True
+
+    def __init__(self, device: torch.device, precision: Precision, distributed_type: DistributedType,
+                 num_processes: int = 1, *, plugin: DeepSpeedPlugin, gradient_accumulation_steps: int = 1) -> None:
+        if not isinstance(plugin, DeepSpeedPlugin):
+            raise ConfigurationError(f"deepspeed_plugin must be a DeepSpeedPlugin, got {type(plugin).__name__}.")
+        super().__init__(device, Precision(device.type), distributed_type, num_processes)
+        self.mixed_precision = precision.mixed_precision
+        self.deepspeed_plugin = plugin
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        plugin.set_mixed_precision(self.mixed_precision)
+        self.deepspeed = import_deepspeed(device.type)
+        self.engine: Any = None
+        self.deepspeed_config: dict[str, Any] | None = None
+        self._call: dict[str, Any] = {"batch_sizes": [], "schedulers": [], "split_batches": False}
+
+    # ------------------------------------------------------------------------------------ prepare
+    def observe_prepare_call(self, objects: Sequence[Any], *, split_batches: bool = False) -> None:
+        from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+        native = [o for o in objects if type(o).__name__ in VALID_LR_SCHEDULES]
+        if native:
+            raise ConfigurationError(
+                f"prepare got DeepSpeed's own scheduler {type(native[0]).__name__}: write it in the config's "
+                "\"scheduler\" block and pass `DummyScheduler(optimizer, ...)`, or use a torch.optim.lr_scheduler one.")
+        self._call = {
+            "batch_sizes": [o.batch_size for o in objects if isinstance(o, torch.utils.data.DataLoader)],
+            "schedulers": [o for o in objects if isinstance(o, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))],
+            "split_batches": split_batches,
+        }
+
+    def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
+                                     device_placement: bool = True) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+        if self.engine is not None:
+            raise ConfigurationError(
+                "This Accelerator already holds a DeepSpeed engine; DeepSpeed trains one model per Accelerator "
+                "(hasten has no multi-plugin form, `deepspeed_plugins={...}`, yet). Prepare a frozen model with "
+                "`accelerator.prepare_model(model, evaluation_mode=True)`, or use a second Accelerator.")
+        if len(optimizers) > 1:
+            raise ConfigurationError(f"DeepSpeed drives one optimizer per model; prepare got {len(optimizers)}. "
+                                     "Put the parameters in one optimizer with several param groups.")
+        optimizer = optimizers[0] if optimizers else None
+        schedulers = self._call["schedulers"]
+        scheduler = schedulers[0] if schedulers else None
+        _ensure_process_group(self.device, self.num_processes)
+        config = self._finish_config(model, optimizer, scheduler)
+        kwargs: dict[str, Any] = {"model": model, "config": config}
+        if isinstance(optimizer, DummyOptim):
+            kwargs["model_parameters"] = optimizer.params
+            if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None:
+                kwargs["lr_scheduler"] = scheduler.lr_scheduler_callable
+        elif optimizer is not None:
+            kwargs["optimizer"] = self._offload_optimizer(optimizer, config)
+        engine, ds_optimizer, _, ds_scheduler = self.deepspeed.initialize(**kwargs)
+        if isinstance(scheduler, DummyScheduler):
+            scheduler.bind(ds_scheduler)
+        self.engine = engine
+        self.deepspeed_config = config
+        return engine, ([ds_optimizer] if optimizer is not None else [])
+
+    def _finish_config(self, model: nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+        """Fill the config's ``"auto"`` values from this run (Accelerate's rules) and check the objects."""
+        plugin = self.deepspeed_plugin
+        config = plugin.deepspeed_config
+        _check_objects_against_config(config, optimizer, scheduler)
+        values: dict[str, Any] = {"gradient_clipping": 1.0,
+                                  "zero_optimization.stage3_gather_16bit_weights_on_model_save": False}
+        micro = self._micro_batch_size()
+        steps = self._accumulation_steps()
+        if micro is not None:
+            values["train_micro_batch_size_per_gpu"] = micro
+            values["train_batch_size"] = micro * steps * self.num_processes
+        if any(plugin.is_auto(key) for key in _HIDDEN_SIZE_KEYS):
+            values.update(_hidden_size_values(model, [k for k in _HIDDEN_SIZE_KEYS if plugin.is_auto(k)]))
+        if isinstance(optimizer, DummyOptim):
+            values.update({"optimizer.params.lr": optimizer.lr, "optimizer.params.weight_decay": optimizer.weight_decay})
+        elif optimizer is not None:
+            config["zero_allow_untested_optimizer"] = True  # any torch optimizer works under ZeRO
+        if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None:
+            values.update(self._scheduler_values(scheduler))
+        plugin.deepspeed_config_process(must_match=False, **values)
+        left = _auto_keys(config)
+        if left:
+            raise ConfigurationError(f"DeepSpeed config values still 'auto' that hasten cannot fill: {left}. "
+                                     "Replace them by numbers in the config.")
+        return config
+
+    def _micro_batch_size(self) -> int | None:
+        plugin = self.deepspeed_plugin
+        if not plugin.is_auto("train_micro_batch_size_per_gpu"):
+            return plugin.get_value("train_micro_batch_size_per_gpu")
+        sizes = list(self._call["batch_sizes"])
+        if not sizes or any(size is None for size in sizes):
+            raise ConfigurationError(
+                "DeepSpeed's train_micro_batch_size_per_gpu is 'auto', so `accelerator.prepare` needs the training "
+                "(or evaluation) DataLoader, with an integer batch_size, in the same call as the model: "
+                "`model, optimizer, loader = accelerator.prepare(model, optimizer, loader)`. Or write a number for "
+                "train_micro_batch_size_per_gpu in the DeepSpeed config.")
+        if self._call["split_batches"]:
+            sizes = [size // self.num_processes for size in sizes]
+        return min(sizes) if plugin.is_train_batch_min else max(sizes)
+
+    def _accumulation_steps(self) -> int:
+        from hasten.state import GradientState  # a higher layer: imported when preparing only
+
+        state = GradientState()
+        current = state.num_steps if state.initialized else self.gradient_accumulation_steps
+        plugin = self.deepspeed_plugin
+        plugin.fill_match("gradient_accumulation_steps", must_match=False, gradient_accumulation_steps=current)
+        configured = int(plugin.get_value("gradient_accumulation_steps"))
+        if configured != current:
+            warnings.warn(f"Gradient accumulation steps: the Accelerator has {current}, the DeepSpeed config "
+                          f"{configured}; using DeepSpeed's value.", stacklevel=4)
+            if state.initialized:
+                state.plugin_kwargs["num_steps"] = configured
+        self.gradient_accumulation_steps = configured
+        return configured
+
+    def _scheduler_values(self, scheduler: DummyScheduler) -> dict[str, Any]:
+        inner = scheduler.optimizer
+        max_lr = inner.defaults["lr"] if getattr(inner, "defaults", None) else getattr(inner, "lr", None)
+        values: dict[str, Any] = {"scheduler.params.warmup_min_lr": 0, "scheduler.params.warmup_max_lr": max_lr,
+                                  "scheduler.params.warmup_num_steps": scheduler.warmup_num_steps}
+        if scheduler.total_num_steps is not None:
+            total = scheduler.total_num_steps
+            values["scheduler.params.total_num_steps"] = (total if self._call["split_batches"]
+                                                          else math.ceil(total / self.num_processes))
+        return values
+
+    def _offload_optimizer(self, optimizer: torch.optim.Optimizer, config: dict[str, Any]) -> Any:
+        """With optimizer offload DeepSpeed wants its CPU Adam: convert torch Adam/AdamW (as Accelerate does)."""
+        device = str(config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")).lower()
+        if device == "none" or not config.get("zero_force_ds_cpu_optimizer", True):
+            return optimizer
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ConfigurationError(
+                f"Optimizer offload needs DeepSpeed's CPU Adam; hasten converts torch Adam/AdamW, not "
+                f"{type(optimizer).__name__}. Use Adam/AdamW, or set \"zero_force_ds_cpu_optimizer\": false in the config.")
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        defaults = optimizer.defaults
+        groups = [{k: v for k, v in group.items() if k in ("params", "lr", "betas", "eps", "weight_decay")}
+                  for group in optimizer.param_groups]
+        return DeepSpeedCPUAdam(groups, lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"],
+                                weight_decay=defaults["weight_decay"], amsgrad=defaults.get("amsgrad", False),
+                                adamw_mode=isinstance(optimizer, torch.optim.AdamW))
+
+    # ------------------------------------------------------------------------------ model access
+    def apply_precision(self, model: nn.Module) -> None:
+        """Nothing: the engine casts the model and scales the loss from the config's fp16/bf16 blocks."""
+
+    def is_wrapped(self, model: nn.Module) -> bool:
+        return type(model).__name__ == "DeepSpeedEngine"
+
+    def _engine_of(self, model: nn.Module) -> Any:
+        if self.is_wrapped(model):
+            return model
+        if self.engine is not None and self.engine.module is model:
+            return self.engine
+        return None
+
+    def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full weights on every process; ZeRO-3 gathers them one layer at a time.
+
+        Accelerate refuses ZeRO-3 weights unless ``zero3_save_16bit_model`` is set and returns them on
+        rank 0 only; hasten always gathers (in the engine's dtype: 16-bit under fp16/bf16).
+        """
+        engine = self._engine_of(model)
+        if engine is None or not engine.zero_optimization_partition_weights():
+            return super().model_state_dict(model, unwrap=unwrap)
+        state = _gather_zero3_state_dict(self.deepspeed, engine.module)
+        return state if unwrap else {f"module.{k}": v for k, v in state.items()}
+
+    # -------------------------------------------------------------------------------- the step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``engine.backward(loss)``, then on a synchronising micro-step ``engine.step()``."""
+        if self.engine is None:
+            raise ConfigurationError("accelerator.backward needs the prepared DeepSpeed model: call "
+                                     "`accelerator.prepare(model, optimizer, loader)` first.")
+        from hasten.state import GradientState
+
+        sync = GradientState().sync_gradients
+        self.engine.set_gradient_accumulation_boundary(is_boundary=sync)
+        self.engine.backward(loss, **kwargs)
+        if sync:
+            self.engine.step()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> Any:
+        """DeepSpeed clips inside ``engine.step`` (config ``gradient_clipping``); returns that step's norm."""
+        norm = None if self.engine is None else self.engine.get_global_grad_norm()
+        return torch.as_tensor(float(norm)) if norm is not None else None
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        raise ConfigurationError("clip_grad_value_ is not available with DeepSpeed, which clips by norm: set "
+                                 "DeepSpeedPlugin(gradient_clipping=...) (or \"gradient_clipping\" in the config).")
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _engines(self, models: list[nn.Module]) -> list[tuple[str, Any]]:
+        engines = [self._engine_of(m) for m in models]
+        return [(MODEL_TAG if i == 0 else f"{MODEL_TAG}_{i}", e) for i, e in enumerate(x for x in engines if x)]
+
+    def save_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                                   folder: Path) -> None:
+        """``engine.save_checkpoint(folder, "pytorch_model")`` on every process (frozen models are not saved)."""
+        for tag, engine in self._engines(models):
+            engine.save_checkpoint(str(folder), tag=tag)
+
+    def check_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                                    folder: Path) -> None:
+        from hasten.checkpointing import CheckpointError
+
+        for tag, engine in self._engines(models):
+            sub = Path(folder) / tag
+            if not sub.is_dir() or not any(sub.glob("*model_states.pt")):
+                raise CheckpointError(f"{sub} holds no DeepSpeed model states: this checkpoint was not saved by "
+                                      "DeepSpeed (or by another model count); load it without DeepSpeed.")
+            ranks = len(list(sub.glob("*optim_states.pt")))
+            if engine.zero_optimization() and ranks != self.num_processes:
+                raise CheckpointError(f"{sub} was saved by {ranks} DeepSpeed processes but this run has "
+                                      f"{self.num_processes}; ZeRO shards load only into the same number of processes.")
+
+    def load_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+                                   folder: Path) -> None:
+        from hasten.checkpointing import CheckpointError
+
+        for tag, engine in self._engines(models):
+            path, _ = engine.load_checkpoint(str(folder), tag=tag)
+            if path is None:
+                raise CheckpointError(f"DeepSpeed could not load {Path(folder) / tag}.")
+
+
+def _check_objects_against_config(config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:
+    if optimizer is not None:
+        if "optimizer" in config and not isinstance(optimizer, DummyOptim):
+            raise ConfigurationError("The DeepSpeed config defines an \"optimizer\" and prepare got a real one: remove "
+                                     "the block from the config, or pass `DummyOptim(model.parameters(), lr=...)`.")
+        if "optimizer" not in config and isinstance(optimizer, DummyOptim):
+            raise ConfigurationError("DummyOptim needs an \"optimizer\" block in the DeepSpeed config; add one or pass "
+                                     "a torch optimizer.")
+    if scheduler is not None:
+        if "scheduler" in config and not isinstance(scheduler, DummyScheduler):
+            raise ConfigurationError("The DeepSpeed config defines a \"scheduler\" and prepare got a torch one: remove "
+                                     "the block from the config, or pass `DummyScheduler(optimizer, ...)`.")
+        if "scheduler" not in config and isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is None:
+            raise ConfigurationError("DummyScheduler needs a \"scheduler\" block in the DeepSpeed config or "
+                                     "`lr_scheduler_callable=`.")
+        if isinstance(optimizer, DummyOptim) and not isinstance(scheduler, DummyScheduler):
+            raise ConfigurationError("With DummyOptim the scheduler must be a DummyScheduler (the engine builds both).")
+
+
+def _hidden_size_values(model: nn.Module, keys: list[str]) -> dict[str, int]:
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    if hidden is None and getattr(config, "hidden_sizes", None):
+        hidden = max(config.hidden_sizes)
+    if hidden is None:
+        raise ConfigurationError(f"DeepSpeed config keys {keys} are 'auto', which hasten fills from "
+                                 "`model.config.hidden_size`; this model has none. Write numbers in the config.")
+    return {_HIDDEN_SIZE_KEYS[0]: hidden * hidden, _HIDDEN_SIZE_KEYS[1]: int(0.9 * hidden * hidden),
+            _HIDDEN_SIZE_KEYS[2]: 10 * hidden}
+
+
+def _auto_keys(config: dict[str, Any], prefix: str = "") -> list[str]:
+    found = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            found += _auto_keys(value, f"{prefix}{key}.")
+        elif value == "auto":
+            found.append(prefix + key)
+    return found
+
+
+def _gather_zero3_state_dict(deepspeed: Any, module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every process gets every weight, gathering one module's parameters at a time (bounded memory)."""
+    state: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        params = list(mod.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            for name, param in mod.named_parameters(recurse=False):
+                key = prefix + name
+                ident = getattr(param, "ds_id", id(param))
+                state[key] = state[seen[ident]] if ident in seen else param.detach().cpu().clone()
+                seen.setdefault(ident, key)
+            for name, buf in mod.named_buffers(recurse=False):
+                if buf is not None and name not in mod._non_persistent_buffers_set:
+                    state[prefix + name] = buf.detach().cpu().clone()
+        for name, child in mod.named_children():
+            visit(child, f"{prefix}{name}.")
+
+    visit(module, "")
+    return state
+
+
+__all__ = ["DeepSpeedStrategy", "import_deepspeed", "set_z3_leaf_modules_by_name", "zero3_init_context"]
