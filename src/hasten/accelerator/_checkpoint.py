@@ -5,7 +5,9 @@ synchronise, and each process saves and restores its own random generators.
 
 The folder layout is Accelerate's (``model.safetensors``, ``optimizer.bin``, ``scheduler.bin``,
 ``scaler.pt``, ``random_states_{rank}.pkl``, ``custom_checkpoint_{i}.pkl``) plus
-``dataloader_state{_i}.bin`` holding each prepared loader's epoch, shuffle generator and position.
+``dataloader_state{_i}.bin`` holding each prepared loader's epoch, shuffle generator and position,
+and, for a save inside a gradient-accumulation window, ``accumulated_gradients{_i}_rank{r}.safetensors``
+(the gradients gathered so far), so that the resumed run is bit-identical to an uninterrupted one.
 A save becomes visible only when complete; a load checks every file before changing anything.
 """
 
@@ -89,6 +91,7 @@ class CheckpointMixin:
         if self._writes_shared_files():
             self._write_shared_files(staging, weights, safe_serialization)
         ckpt.torch_save(capture_rng_state(self.step), staging / ckpt.RNG.format(rank=self.process_index))
+        self._save_accumulated_gradients(staging)
         for hook in SAVE_STAGE_HOOKS:
             hook("before_publish", staging)
         self.wait_for_everyone()
@@ -100,6 +103,15 @@ class CheckpointMixin:
         self.wait_for_everyone()
         self.project_configuration.iteration += 1
         return target
+
+    def _save_accumulated_gradients(self, folder: Path) -> None:
+        # Saved inside an accumulation window: the gradients gathered so far are part of the state
+        # (each process's own under no_sync), or the next optimizer step after resuming would differ.
+        if self.sync_gradients or self._strategy.saves_models_itself:
+            return
+        for i, model in enumerate(self._models):
+            path = folder / ckpt.GRADIENTS.format(suffix=ckpt.suffix(i), rank=self.process_index)
+            ckpt.save_gradients(self.unwrap_model(model), path)
 
     def _writes_shared_files(self) -> bool:
         if self.project_configuration.save_on_each_node:
@@ -202,6 +214,10 @@ class CheckpointMixin:
             raise CheckpointError(f"{rng_path} is missing: the checkpoint was saved by {saved} processes and this is "
                                   f"process {self.process_index} of {self.num_processes}.")
         plan["rng"] = (rng_path, _load_rng_file(rng_path))
+        plan["gradients"] = []
+        for i, _ in enumerate(self._models):
+            path = folder / ckpt.GRADIENTS.format(suffix=ckpt.suffix(i), rank=self.process_index)
+            plan["gradients"].append((path, ckpt.read_gradients(path)) if path.is_file() else None)
         return plan
 
     def _raw_optimizers(self) -> list[Any]:
@@ -222,8 +238,12 @@ class CheckpointMixin:
             loader.load_state_dict(state)
         for obj, state in zip(self._custom_objects, plan["custom"]):
             obj.load_state_dict(state)
+        for model, saved in zip(self._models, plan["gradients"]):
+            if saved is not None:
+                ckpt.restore_gradients(self.unwrap_model(model), saved[1], saved[0])
         path, rng = plan["rng"]
         self.step = restore_rng_state(rng, path)
+        self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
 
     # ------------------------------------------------------------------------------- other helpers
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ DATALOADER = "dataloader_state{suffix}.bin"
 SCALER = "scaler.pt"
 RNG = "random_states_{rank}.pkl"
 CUSTOM = "custom_checkpoint_{index}.pkl"
+GRADIENTS = "accumulated_gradients{suffix}_rank{rank}.safetensors"
 
 
 def suffix(index: int) -> str:
@@ -144,3 +145,35 @@ def _storage_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, list[s
 def count_files(folder: Path, prefix: str) -> int:
     """How many ``{prefix}{_i}`` files of one kind the folder holds."""
     return sum(1 for name in os.listdir(folder) if name.startswith(prefix))
+
+
+def save_gradients(model: nn.Module, path: Path) -> bool:
+    """Write the gradients accumulated so far (a save in the middle of an accumulation window)."""
+    grads = {name: p.grad.detach().cpu().contiguous() for name, p in model.named_parameters() if p.grad is not None}
+    if not grads:
+        return False
+    from safetensors.torch import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(grads, str(tmp), metadata={"format": "pt"})
+    return True
+
+
+def read_gradients(path: Path) -> dict[str, torch.Tensor]:
+    """Read accumulated gradients, naming the file on failure."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as exc:
+        raise CheckpointError(f"Could not read checkpoint file {path}: {exc}. It is truncated or corrupted.") from exc
+
+
+def restore_gradients(model: nn.Module, grads: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Put accumulated gradients back on the parameters (names checked first)."""
+    params = dict(model.named_parameters())
+    unknown = [name for name in grads if name not in params]
+    if unknown:
+        raise CheckpointError(f"{path} holds gradients for parameters the model lacks: {unknown[:8]}")
+    for name, grad in grads.items():
+        params[name].grad = grad.to(params[name].device, dtype=params[name].dtype)

@@ -95,4 +95,4 @@ def __dir__() -> list[str]:
 
 # Eager on purpose: once `hasten.utils.tqdm` (the module) is imported, a lazy attribute would resolve to
 # the module instead of the function.
-from hasten.utils.tqdm import tqdm  # noqa: E402
+from hasten.utils.tqdm import tqdm as tqdm  # noqa: E402
