@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 examples/collectives_demo.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/hasten launch --num_processes 2 examples/mnist_digits.py
 
 test: $(STAMP)
 	mkdir -p .tmp
@@ -30,3 +30,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .tmp
+
+# The documentation site (docs/ + API reference from the docstrings) into site/; any warning fails it.
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site

@@ -31,6 +31,8 @@ _EXPORTS = {
     "FullyShardedDataParallelPlugin": "hasten.config.plugins.fsdp",
     "DeepSpeedPlugin": "hasten.config.plugins.deepspeed",
     "prepare_data_loader": "hasten.data",
+    "notebook_launcher": "hasten.launchers.notebook",
+    "debug_launcher": "hasten.launchers.notebook",
     "cpu_offload": "hasten.big_modeling",
     "cpu_offload_with_hook": "hasten.big_modeling",
     "disk_offload": "hasten.big_modeling",

@@ -232,7 +232,8 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike[str
         keep_in_fp32_modules: modules kept in float32 when ``dtype`` is float16.
         offload_8bit_bnb: not supported (bitsandbytes); must be False.
         strict: raise on missing or unexpected keys instead of warning.
-        full_state_dict, broadcast_from_rank0: accepted for compatibility; every rank reads the file itself.
+        full_state_dict: accepted for compatibility; every rank reads the file itself.
+        broadcast_from_rank0: accepted for compatibility; every rank reads the file itself.
 
     Example:
         >>> with init_empty_weights():

@@ -13,7 +13,7 @@ SUBCOMMANDS = ("config", "launch", "test", "env", "estimate_memory", "merge_weig
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser("hasten", usage="hasten <command> [<args>]",
                                      description="Run PyTorch training on any hardware with one loop.")
-    subparsers = parser.add_subparsers(dest="command", metavar="<command>")
+    subparsers = parser.add_subparsers(dest="command", metavar="<command>", prog="hasten")
     for name in SUBCOMMANDS:
         try:
             module = importlib.import_module(f"hasten.commands.{name}")

@@ -27,10 +27,8 @@ class SeedableRandomSampler(RandomSampler):
     reseeds the generator with ``seed + epoch`` and, at its end, moves to the next epoch; ``set_epoch(e)``
     replays epoch ``e`` exactly, on every process.
 
-    Args:
-        *args: as for ``RandomSampler`` (``data_source, replacement=False, num_samples=None, generator=None``).
-        data_seed: the seed (keyword only); defaults to ``torch.initial_seed()``.
-        **kwargs: as for ``RandomSampler``.
+    Accepts ``RandomSampler``'s arguments (``data_source, replacement=False, num_samples=None,
+    generator=None``) plus the keyword-only ``data_seed`` (default ``torch.initial_seed()``).
 
     Example:
         >>> sampler = SeedableRandomSampler(range(8), data_seed=3)

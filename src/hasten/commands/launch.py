@@ -1,0 +1,202 @@
+"""``hasten launch [flags] script.py [script args]``: Accelerate's flags, torchrun's agent underneath.
+
+Precedence: flags given on the command line > the configuration file (``--config_file`` or the default
+file) > detection. Every flag is accepted as ``--foo_bar`` and ``--foo-bar``. Unlike
+``accelerate launch``, ``--cpu --num_processes 2`` starts two processes (torchrun's agent, no MPI), and
+``--cpu`` does not make the default configuration file be ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+# (flag, config key or None for run options, block or None, argparse keyword arguments, help)
+_STORE = {"action": "store_const", "const": True}
+FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
+    ("--cpu", "use_cpu", None, _STORE, "Force the CPU even if GPUs are available."),
+    ("--multi_gpu", "distributed_type=MULTI_GPU", None, _STORE, "Distributed GPU training (DDP)."),
+    ("--tpu", "distributed_type=XLA", None, _STORE, "TPU training (not available in hasten)."),
+    ("--use_deepspeed", "distributed_type=DEEPSPEED", None, _STORE, "Train with DeepSpeed."),
+    ("--use_fsdp", "distributed_type=FSDP", None, _STORE, "Train with FSDP2 (fully_shard)."),
+    ("--use_megatron_lm", "distributed_type=MEGATRON_LM", None, _STORE, "Megatron-LM (not available)."),
+    ("--mixed_precision", "mixed_precision", None, {"choices": ["no", "fp16", "bf16", "fp8"]},
+     "Mixed precision for the workers."),
+    ("--num_processes", "num_processes", None, {"type": int}, "Total number of processes (all machines)."),
+    ("--num_machines", "num_machines", None, {"type": int}, "Number of machines."),
+    ("--machine_rank", "machine_rank", None, {"type": int}, "Rank of this machine (0 = main)."),
+    ("--main_process_ip", "main_process_ip", None, {}, "Address of the main machine."),
+    ("--main_process_port", "main_process_port", None, {"type": int},
+     "Port on the main machine (0 = pick a free port)."),
+    ("--rdzv_backend", "rdzv_backend", None, {}, "Rendezvous backend: static (default) or c10d."),
+    ("--same_network", "same_network", None, _STORE, "All machines are on one local network."),
+    ("--gpu_ids", "gpu_ids", None, {}, "Comma-separated GPU ids to use on this machine, or 'all'."),
+    ("--enable_cpu_affinity", "enable_cpu_affinity", None, _STORE, "Pin workers to NUMA nodes (GPU only)."),
+    ("--main_training_function", "main_training_function", None, {}, "Training function name (TPU)."),
+    ("--downcast_bf16", "downcast_bf16", None, _STORE, "TPU bf16 downcast (kept for compatibility)."),
+    ("--debug", "debug", None, _STORE, "Check collectives across ranks (shapes) to turn hangs into errors."),
+    ("--dynamo_backend", "dynamo_backend", "dynamo_config", {}, "torch.compile backend (e.g. inductor)."),
+    ("--dynamo_mode", "dynamo_mode", "dynamo_config", {}, "torch.compile mode."),
+    ("--dynamo_use_fullgraph", "dynamo_use_fullgraph", "dynamo_config", _STORE, "torch.compile fullgraph."),
+    ("--dynamo_use_dynamic", "dynamo_use_dynamic", "dynamo_config", _STORE, "torch.compile dynamic shapes."),
+    ("--dynamo_use_regional_compilation", "dynamo_use_regional_compilation", "dynamo_config", _STORE,
+     "Compile repeated blocks once."),
+    ("--mpirun_hostfile", "mpirun_hostfile", "mpirun_config", {}, "Wrap the run in mpirun with this hostfile."),
+    *((f"--{key}", key, "deepspeed_config", {}, f"DeepSpeed: {key}.") for key in (
+        "deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device",
+        "offload_optimizer_nvme_path", "offload_param_nvme_path", "gradient_accumulation_steps",
+        "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_hostfile",
+        "deepspeed_exclusion_filter", "deepspeed_inclusion_filter", "deepspeed_multinode_launcher",
+        "deepspeed_moe_layer_cls_names")),
+    *((f"--{key}", key, "fsdp_config", {}, f"FSDP: {key}.") for key in (
+        "fsdp_version", "fsdp_offload_params", "fsdp_min_num_params", "fsdp_sharding_strategy",
+        "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
+        "fsdp_backward_prefetch", "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
+        "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_activation_checkpointing")),
+    ("--num_cpu_threads_per_process", None, None, {"type": int}, "OMP_NUM_THREADS of each worker."),
+    ("--rdzv_conf", None, None, {"default": ""}, "Extra rendezvous settings: key=value,key2=value2."),
+    ("--max_restarts", None, None, {"type": int, "default": 0}, "Restart the worker group up to N times."),
+    ("--monitor_interval", None, None, {"type": float, "default": 0.1}, "Seconds between worker health checks."),
+    ("--role", None, None, {"default": "default"}, "torchrun worker role."),
+    ("-t", None, None, {"dest": "tee", "default": "0"}, "torchrun --tee."),
+    ("--log_dir", None, None, {}, "torchrun log folder."),
+    ("--use_mpi", None, None, {"action": "store_true"}, "Wrap the run in mpirun on this machine (no hostfile)."),
+)
+
+
+def _aliases(flag: str) -> list[str]:
+    if flag == "-t":
+        return ["-t", "--tee"]
+    dashed = flag.replace("_", "-")
+    return [flag] if dashed == flag else [flag, "--" + dashed[2:]]
+
+
+def build_launch_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``hasten launch``'s arguments to ``parser``."""
+    parser.add_argument("--config_file", "--config-file", default=None, help="Configuration file to read.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="Print only the failing worker's traceback.")
+    parser.add_argument("-m", "--module", action="store_true", help="Run the script as `python -m module`.")
+    parser.add_argument("--no_python", "--no-python", action="store_true", help="Run the script without python.")
+    parser.add_argument("--dry_run", "--dry-run", action="store_true", help="Print the plan, start nothing.")
+    for flag, key, _block, kwargs, text in FLAGS:
+        options = dict(kwargs)
+        if key is not None:
+            options["dest"] = "cfg__" + key.replace("=", "__")
+            if options.get("action") is None and "choices" not in options:
+                options.setdefault("metavar", flag.lstrip("-").upper())
+        options.setdefault("default", None)
+        parser.add_argument(*_aliases(flag), help=text, **options)
+    parser.add_argument("training_script", help="The script (or module with -m) to run on every process.")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="Arguments of the script.")
+    return parser
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``hasten launch``."""
+    parser = subparsers.add_parser("launch", help="Start a training script on one or many processes.",
+                                   description=__doc__.split("\n\n")[0])
+    build_launch_parser(parser)
+    parser.set_defaults(func=launch_command)
+    return parser
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The configuration keys the user passed explicitly, with blocks as nested dicts."""
+    changes: dict[str, Any] = {}
+    for flag, key, block, _kwargs, _text in FLAGS:
+        if key is None:
+            continue
+        value = getattr(args, "cfg__" + key.replace("=", "__"), None)
+        if value is None:
+            continue
+        if "=" in key:
+            name, _, constant = key.partition("=")
+            previous = changes.get(name)
+            if previous not in (None, constant):
+                raise _conflict(f"--{previous.lower()}", flag)
+            changes[name] = constant
+        elif block is not None:
+            changes.setdefault(block, {})[key] = value
+        else:
+            changes[key] = value
+    if changes.get("use_cpu") and changes.get("distributed_type") == "MULTI_GPU":
+        raise _conflict("--cpu", "--multi_gpu")
+    return changes
+
+
+def _conflict(first: str, second: str) -> Exception:
+    from hasten.exceptions import ConfigurationError
+
+    return ConfigurationError(f"{first} and {second} cannot be used together: choose one.")
+
+
+def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> Any:
+    """The configuration after command-line flags were applied over the configuration file."""
+    from hasten.config.io import find_config_file, load_config_file
+    from hasten.config.schema import LaunchConfig
+
+    path = find_config_file(args.config_file, env)
+    base = load_config_file(path) if path is not None else LaunchConfig()
+    changes = overrides_from_args(args)
+    data = base.to_launch_dict()
+    for key, value in changes.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) else value
+    return LaunchConfig.from_dict({k: v for k, v in data.items() if v is not None}, source="the launch settings")
+
+
+def options_from_args(args: argparse.Namespace) -> Any:
+    """The run options (script, restarts, ...) that are not part of the configuration file."""
+    from hasten.launchers.plan import LaunchOptions
+
+    return LaunchOptions(script=args.training_script, script_args=list(args.training_script_args),
+                         module=args.module, no_python=args.no_python,
+                         num_cpu_threads_per_process=args.num_cpu_threads_per_process, rdzv_conf=args.rdzv_conf,
+                         max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, role=args.role,
+                         tee=args.tee, log_dir=args.log_dir, use_mpi=args.use_mpi, quiet=args.quiet)
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    """Run ``hasten launch``; user mistakes print one message and return 2 before anything starts."""
+    import os
+
+    from hasten.exceptions import ConfigurationError, LaunchError
+    from hasten.launchers.plan import build_plan
+
+    try:
+        if args.max_restarts < 0:
+            raise ConfigurationError(f"--max_restarts={args.max_restarts} must be 0 or more.")
+        options = options_from_args(args)
+        plan = build_plan(resolve_config(args, os.environ), options, os.environ)
+    except (ConfigurationError, LaunchError) as exc:
+        print(f"hasten launch: error: {exc}", file=sys.stderr)
+        return 2
+    for note in plan.notes:
+        print(f"hasten launch: {note}", file=sys.stderr)
+    if args.dry_run:
+        print(plan.describe())
+        return 0
+    return execute_plan(plan, options)
+
+
+def execute_plan(plan: Any, options: Any) -> int:
+    """Start the processes of ``plan`` and wait for them; return the exit code."""
+    if plan.launcher == "torchrun":
+        from hasten.launchers.torchrun import run_torchrun
+
+        return run_torchrun(plan, options)
+    from hasten.exceptions import LaunchError
+    from hasten.launchers.process import run_process
+
+    try:
+        return run_process(plan.command, plan.env)
+    except LaunchError as exc:
+        print(f"hasten launch: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hasten-launch`` style entry point (the ``launch`` subcommand on its own)."""
+    parser = build_launch_parser(argparse.ArgumentParser("hasten launch"))
+    return launch_command(parser.parse_args(argv))

@@ -1,0 +1,135 @@
+"""Where the configuration file lives, and reading/writing it (YAML or JSON, written atomically).
+
+Default location: ``$HASTEN_HOME/default_config.yaml``, else ``$XDG_CACHE_HOME/hasten/default_config.yaml``,
+else ``~/.cache/hasten/default_config.yaml``. Functions take an ``env`` mapping (the process
+environment by default) so they can be tested without touching the real environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hasten.config.schema import LaunchConfig
+from hasten.exceptions import ConfigurationError
+from hasten.utils.environment import current_environment
+
+CONFIG_FILE_NAME = "default_config.yaml"
+HOME_VAR = "HASTEN_HOME"
+
+
+def config_home(env: Mapping[str, str] | None = None) -> Path:
+    """The folder holding hasten's default configuration file.
+
+    Example:
+        >>> str(config_home({"HASTEN_HOME": "/data/hasten"}))
+        '/data/hasten'
+    """
+    env = current_environment() if env is None else env
+    if env.get(HOME_VAR):
+        return Path(env[HOME_VAR]).expanduser()
+    cache = env.get("XDG_CACHE_HOME")
+    base = Path(cache).expanduser() if cache else Path(env.get("HOME") or Path.home()).expanduser() / ".cache"
+    return base / "hasten"
+
+
+def default_config_file(env: Mapping[str, str] | None = None) -> Path:
+    """Path of the default configuration file (it may not exist yet).
+
+    Example:
+        >>> default_config_file({"XDG_CACHE_HOME": "/tmp/c"}).as_posix()
+        '/tmp/c/hasten/default_config.yaml'
+    """
+    return config_home(env) / CONFIG_FILE_NAME
+
+
+def find_config_file(config_file: str | os.PathLike[str] | None,
+                     env: Mapping[str, str] | None = None) -> Path | None:
+    """The file to read: ``config_file`` if given (it must exist), else the default file if it exists.
+
+    Raises:
+        ConfigurationError: ``config_file`` was given but does not exist.
+    """
+    if config_file is not None:
+        path = Path(config_file).expanduser()
+        if not path.is_file():
+            raise ConfigurationError(f"--config_file {str(config_file)!r}: no such file. HINT: create one with "
+                                     f"`hasten config --config_file {config_file}` or fix the path.")
+        return path
+    default = default_config_file(env)
+    return default if default.is_file() else None
+
+
+def read_config_dict(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]:
+    """Parse a YAML or JSON file into (mapping, line of each top-level key).
+
+    Raises:
+        ConfigurationError: unreadable or malformed file (the message gives the file and line).
+    """
+    import yaml  # only when a file is actually read
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigurationError(f"Cannot read the configuration file {path}: {exc.strerror}.") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigurationError(f"{path}{line}: malformed YAML ({problem}). HINT: fix the file or regenerate "
+                                 "it with `hasten config`.") from None
+    if data is None:
+        raise ConfigurationError(f"{path} is empty. HINT: regenerate it with `hasten config`.")
+    lines: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        lines = {str(k.value): k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+    return data, lines
+
+
+def load_config_file(path: str | os.PathLike[str]) -> LaunchConfig:
+    """Read and validate a configuration file (Accelerate's files included).
+
+    Example:
+        >>> cfg = load_config_file("default_config.yaml")  # doctest: +SKIP
+    """
+    data, lines = read_config_dict(path)
+    return LaunchConfig.from_dict(data, source=str(path), lines=lines)
+
+
+def save_config_file(config: LaunchConfig | Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write ``config`` to ``path`` (JSON if it ends in ``.json``, else YAML), atomically.
+
+    The content goes to a temporary file in the same folder, which is then renamed over ``path``,
+    so a crash never leaves a half-written file where a good one stood.
+
+    Example:
+        >>> save_config_file(LaunchConfig(num_processes=2), "/tmp/cfg.yaml")  # doctest: +SKIP
+    """
+    data = config.to_dict() if isinstance(config, LaunchConfig) else dict(config)
+    path = Path(path).expanduser()
+    if path.suffix == ".json":
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    else:
+        import yaml
+
+        text = yaml.safe_dump(data, sort_keys=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,237 @@
+"""``notebook_launcher`` and ``debug_launcher``: start a training *function* on several forked processes.
+
+Differences from Accelerate, same signatures:
+
+* ``num_processes=None`` uses every visible GPU (one process on a CPU-only machine) instead of raising;
+* a busy ``use_port`` on a single machine is replaced by a free port instead of failing;
+* the launcher refuses to fork, with the fix in the message, when CUDA or a process group or a
+  ``PartialState`` already exists in the parent (the cause of "Cannot re-initialize CUDA in forked
+  subprocess" and of hangs);
+* a failing rank raises ``LaunchError`` carrying that rank's traceback;
+* ``debug_launcher`` needs no port: its ranks meet at a file store in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hasten.config.env import launch_config_to_env
+from hasten.exceptions import ConfigurationError, LaunchError
+
+_PRECISIONS = ("no", "fp16", "bf16", "fp8")
+
+
+@contextmanager
+def _added_environment(extra: Mapping[str, str]) -> Iterator[None]:
+    # Forked ranks inherit the parent's environment, so the variables are set here for the launch.
+    saved = {key: os.environ.get(key) for key in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def _refuse_unsafe_fork() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hasten.state import PartialState
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise ConfigurationError(
+            "CUDA was already initialized in this notebook/process, so forked processes cannot use it "
+            "('Cannot re-initialize CUDA in forked subprocess'). HINT: restart the kernel and make sure no cell "
+            "touches the GPU (model.cuda(), torch.cuda.*, creating an Accelerator) before notebook_launcher; do "
+            "that inside the training function instead.")
+    if dist.is_available() and dist.is_initialized():
+        raise ConfigurationError("A torch.distributed process group already exists in this process. HINT: restart "
+                                 "the kernel and create the Accelerator/PartialState only inside the function.")
+    if PartialState._shared_state:
+        raise ConfigurationError(
+            "A PartialState/Accelerator was already created in this notebook, so the launched processes would "
+            "inherit it. HINT: restart the kernel and create the Accelerator only inside the training function.")
+
+
+def _end_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()  # gloo may abort a rank whose peer tears down first
+        finally:
+            dist.destroy_process_group()
+
+
+def _rank_main(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap the user's function: run it, then end the process group (forked ranks skip atexit)."""
+    @functools.wraps(function)  # the agent logs the entry point's name and qualname
+    def run(*args: Any) -> Any:
+        result = function(*args)
+        _end_process_group()
+        return result
+    return run
+
+
+def _pick_port(use_port: str | int, master_addr: str, single_machine: bool) -> int:
+    from hasten.environments import find_free_port
+    from hasten.launchers.plan import port_in_use
+
+    port = int(use_port)
+    if port == 0 or (single_machine and port_in_use(port, master_addr)):
+        free = find_free_port()
+        if port:
+            print(f"notebook_launcher: port {port} is in use; using free port {free} instead.", file=sys.stderr)
+        return free
+    return port
+
+
+def _peer_error(text: str) -> bool:
+    # A rank whose peer died fails with a gloo/NCCL connection error: a symptom, not the cause.
+    return "by peer" in text or "Connection closed" in text
+
+
+def _root_cause_first(reports: list[str]) -> str:
+    return "\n".join(sorted(reports, key=_peer_error))
+
+
+def _failure_message(exc: Any) -> str:
+    reports = []
+    for rank, failure in sorted(exc.failures.items()):
+        data = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
+        stack = data.get("extraInfo", {}).get("py_callstack") if isinstance(data, dict) else None
+        reports.append(f"--- rank {rank} (exit code {failure.exitcode}) ---\n{stack or failure.message}")
+    return _root_cause_first(reports)
+
+
+def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), num_processes: int | None = None,
+                      mixed_precision: str = "no", use_port: str = "29500", master_addr: str = "127.0.0.1",
+                      node_rank: int = 0, num_nodes: int = 1, rdzv_backend: str = "static", rdzv_endpoint: str = "",
+                      rdzv_conf: dict[str, Any] | None = None, rdzv_id: str = "none", max_restarts: int = 0,
+                      monitor_interval: float = 0.1, log_line_prefix_template: str | None = None) -> None:
+    """Run ``function(*args)`` on ``num_processes`` forked processes per machine (torchrun's elastic agent).
+
+    Args:
+        function: the training function; create the ``Accelerator`` inside it.
+        args: positional arguments for ``function``.
+        num_processes: processes on this machine (default: the GPU count, 1 on CPU).
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``, passed to the ranks.
+        use_port: the port where the ranks meet (a busy port on one machine is replaced).
+        master_addr: the address where the ranks meet.
+        node_rank: this machine's index (multi-machine runs).
+        num_nodes: number of machines.
+        rdzv_backend: "static" or "c10d".
+        rdzv_endpoint: the c10d rendezvous endpoint.
+        rdzv_conf: extra rendezvous settings.
+        rdzv_id: the rendezvous id.
+        max_restarts: restarts of the worker group before giving up.
+        monitor_interval: seconds between worker health checks.
+        log_line_prefix_template: torchrun's per-line log prefix.
+
+    Raises:
+        ConfigurationError: invalid arguments, or forking is unsafe (the message says why and the fix).
+        LaunchError: a rank failed (the message holds its traceback).
+
+    Example:
+        >>> def train(lr):
+        ...     from hasten import Accelerator
+        ...     accelerator = Accelerator()
+        >>> notebook_launcher(train, args=(0.1,), num_processes=2)  # doctest: +SKIP
+    """
+    if str(mixed_precision).lower() not in _PRECISIONS:
+        raise ConfigurationError(f"Unknown mixed_precision mode {mixed_precision!r}: choose one of {_PRECISIONS}.")
+    if not 0 <= node_rank < num_nodes:
+        raise ConfigurationError(f"node_rank={node_rank} must be in 0..{num_nodes - 1} (num_nodes={num_nodes}).")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_processes is None:
+        num_processes = max(gpus, 1)
+    if num_processes < 1:
+        raise ConfigurationError(f"num_processes={num_processes} must be at least 1.")
+    config = {"mixed_precision": str(mixed_precision).lower(), "use_cpu": gpus == 0,
+              "distributed_type": "NO" if num_processes * num_nodes == 1 else ("MULTI_GPU" if gpus else "MULTI_CPU")}
+    if num_processes == 1 and num_nodes == 1:
+        print(f"Launching training on {'one GPU' if gpus else 'CPU'}.")
+        with _added_environment(launch_config_to_env(config)):
+            function(*args)
+        return
+    _refuse_unsafe_fork()
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    port = _pick_port(use_port, master_addr, num_nodes == 1)
+    rdzv_conf = dict(rdzv_conf or {})
+    if rdzv_backend == "static":
+        rdzv_conf["rank"] = node_rank
+    endpoint = rdzv_endpoint or f"{master_addr}:{port}"
+    launch = LaunchConfig(min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=num_processes, run_id=rdzv_id,
+                          rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, rdzv_configs=rdzv_conf,
+                          max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="fork",
+                          log_line_prefix_template=log_line_prefix_template)
+    print(f"Launching training on {num_processes} {'GPU' if gpus else 'CPU'} processes.")
+    env = {**launch_config_to_env(config), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
+    with _added_environment(env):
+        try:
+            elastic_launch(config=launch, entrypoint=_rank_main(function))(*args)
+        except ChildFailedError as exc:
+            raise LaunchError(f"notebook_launcher: {_failure_message(exc)}") from None
+
+
+def _debug_rank(rank: int, function: Callable[..., Any], args: tuple[Any, ...], world: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    from hasten.state import reset_state
+
+    reset_state()  # the rank must not reuse the parent's view of the run
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      **launch_config_to_env({"use_cpu": True, "mixed_precision": "no",
+                                              "distributed_type": "MULTI_CPU"}))
+    store = dist.FileStore(os.path.join(folder, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=5))
+    try:
+        function(*args)
+    except BaseException:
+        Path(folder, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    _end_process_group()
+
+
+def debug_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), num_processes: int = 2) -> None:
+    """Run ``function(*args)`` on ``num_processes`` forked CPU processes (gloo), for debugging.
+
+    Example:
+        >>> def check():
+        ...     from hasten import PartialState
+        ...     assert PartialState().num_processes == 2
+        >>> debug_launcher(check)  # doctest: +SKIP
+
+    Raises:
+        LaunchError: a rank failed (the message holds every failed rank's traceback).
+    """
+    if num_processes < 1:
+        raise ConfigurationError(f"num_processes={num_processes} must be at least 1.")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="hasten-debug-") as folder:
+        try:
+            mp.start_processes(_debug_rank, args=(function, args, num_processes, folder), nprocs=num_processes,
+                               join=True, start_method="fork")
+        except Exception as exc:  # noqa: BLE001 - re-raised with every rank's own traceback
+            reports = [f"--- rank {r} ---\n{p.read_text()}" for r in range(num_processes)
+                       if (p := Path(folder, f"rank{r}.err")).exists()]
+            raise LaunchError("debug_launcher: " + (_root_cause_first(reports) or str(exc))) from None

@@ -1,0 +1,291 @@
+"""Turn a resolved ``LaunchConfig`` into a launch plan: which launcher, how many processes, which
+rendezvous, the worker command and the variables the workers receive. Starts nothing.
+
+Workers get torchrun's standard variables and one hasten variable, ``HASTEN_LAUNCH_CONFIG`` (the
+JSON of the configuration, with Accelerate's key names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hasten.config.env import launch_config_to_env
+from hasten.config.schema import LaunchConfig
+from hasten.exceptions import ConfigurationError
+
+DEFAULT_PORT = 29500
+# Engines whose hasten support is detected by the presence of their module (no import needed).
+_ENGINE_MODULES = {"FSDP": ("hasten.strategies.fsdp2", "FSDP2"),
+                   "DEEPSPEED": ("hasten.config.plugins.deepspeed", "DeepSpeed")}
+_NOT_AVAILABLE = {"XLA": "TPU (XLA) launches", "MEGATRON_LM": "Megatron-LM launches"}
+
+
+@dataclass
+class LaunchOptions:
+    """Settings of one ``hasten launch`` run that are not part of the configuration file."""
+
+    script: str
+    script_args: list[str] = field(default_factory=list)
+    module: bool = False
+    no_python: bool = False
+    num_cpu_threads_per_process: int | None = None
+    rdzv_conf: str = ""
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    role: str = "default"
+    tee: str = "0"
+    log_dir: str | None = None
+    use_mpi: bool = False
+    quiet: bool = False
+
+
+@dataclass
+class LaunchPlan:
+    """What ``hasten launch`` will do; ``describe()`` is the ``--dry_run`` output."""
+
+    launcher: str  # "process", "torchrun", "mpirun" or "slurm-task"
+    config: LaunchConfig
+    command: list[str]
+    env: dict[str, str]
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    rdzv_backend: str = "static"
+    rdzv_conf: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_processes(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def describe(self) -> str:
+        """A human-readable plan: processes, rendezvous, worker environment, command."""
+        if self.launcher == "slurm-task":
+            shape = "one per SLURM task"
+        else:
+            shape = (f"{self.nproc_per_node} per machine x {self.nnodes} machine{'s' if self.nnodes > 1 else ''}, "
+                     f"this is machine {self.node_rank}")
+        lines = [f"launcher:      {self.launcher}", f"processes:     {self.num_processes} ({shape})"]
+        if self.launcher == "torchrun":
+            lines.append(f"rendezvous:    {self.rdzv_backend} at {self.master_addr}:{self.master_port}"
+                         + (f" ({self.rdzv_conf})" if self.rdzv_conf else ""))
+        lines.append("worker environment (besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...):")
+        lines.extend(f"  {key}={value}" for key, value in sorted(self.env.items()))
+        lines.append(f"command:       {shlex.join(self.command)}")
+        lines.extend(f"note:          {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def worker_env(config: LaunchConfig, num_threads: int | None = None) -> dict[str, str]:
+    """The variables every worker receives on top of the launcher's own (``HASTEN_LAUNCH_CONFIG``, ...)."""
+    data = config.to_launch_dict()
+    ds_steps = data["deepspeed_config"].get("gradient_accumulation_steps")
+    if config.distributed_type == "DEEPSPEED" and ds_steps is not None:
+        data["gradient_accumulation_steps"] = int(ds_steps)  # what the connector reads for accumulation
+    env = launch_config_to_env(data)
+    if num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(num_threads)
+    if config.gpu_ids not in (None, "all") and not config.use_cpu:
+        env["CUDA_VISIBLE_DEVICES"] = str(config.gpu_ids)
+    return env
+
+
+def worker_command(options: LaunchOptions) -> list[str]:
+    """The command each worker runs: ``python [-m] script args`` or the script itself (``--no_python``).
+
+    Raises:
+        ConfigurationError: the script does not exist, or ``--module`` with ``--no_python``.
+    """
+    if options.module and options.no_python:
+        raise ConfigurationError("--module and --no_python cannot be used together: -m runs a Python module "
+                                 "with the interpreter, --no_python runs an executable without it.")
+    if not options.module and not options.no_python and not Path(options.script).is_file():
+        raise ConfigurationError(f"The training script {options.script!r} does not exist. HINT: check the path "
+                                 "(relative to the current folder), or pass -m/--module to run a module.")
+    if options.no_python:
+        return [options.script, *options.script_args]
+    return [sys.executable, *(["-m"] if options.module else []), options.script, *options.script_args]
+
+
+def check_engine_available(config: LaunchConfig) -> None:
+    """Refuse engines hasten cannot run yet, with a clear message instead of a failure in the workers."""
+    import importlib.util
+
+    kind = config.distributed_type
+    if kind in _NOT_AVAILABLE:
+        raise ConfigurationError(f"distributed_type={kind}: {_NOT_AVAILABLE[kind]} are not available in hasten. "
+                                 "HINT: use MULTI_GPU, MULTI_CPU, FSDP or DEEPSPEED.")
+    if kind in _ENGINE_MODULES:
+        module, name = _ENGINE_MODULES[kind]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigurationError(f"distributed_type={kind}: {name} support is not available in this version "
+                                     "of hasten yet. HINT: use --multi_gpu (DDP) meanwhile.")
+
+
+def local_device_count(env: Mapping[str, str]) -> int:
+    """GPUs this machine can use, without importing torch on machines that have none."""
+    if not Path("/proc/driver/nvidia").exists() and not Path("/dev/kfd").exists():
+        return 0
+    import torch  # a GPU machine: workers import torch anyway, and only torch knows the usable count
+
+    return int(torch.cuda.device_count())
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """True when something already listens on ``host:port`` (checked by trying to bind it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host if host not in ("localhost", "") else "127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def resolve_processes(config: LaunchConfig, device_count: int) -> LaunchConfig:
+    """Fill what the user left out from the hardware and derive ``distributed_type``.
+
+    Precedence was applied before: command-line flags over the file. Here only unset values are
+    filled: ``num_processes`` defaults to the GPU count per machine (1 on CPU).
+
+    Example:
+        >>> resolve_processes(LaunchConfig(use_cpu=True, num_processes=2), 0).distributed_type
+        'MULTI_CPU'
+    """
+    use_cpu = config.use_cpu or device_count == 0
+    per_node_default = 1 if use_cpu else max(device_count, 1)
+    total = config.num_processes or per_node_default * config.num_machines
+    if total % config.num_machines:
+        raise ConfigurationError(f"num_processes={total} cannot be split evenly over num_machines="
+                                 f"{config.num_machines}. HINT: num_processes is the total over all machines.")
+    kind = config.distributed_type
+    if kind == "NO" or kind.startswith("MULTI_"):
+        kind = "NO" if total == 1 else ("MULTI_CPU" if use_cpu else
+                                        (kind if kind.startswith("MULTI_") and kind != "MULTI_CPU" else "MULTI_GPU"))
+    return dataclasses.replace(config, num_processes=total, distributed_type=kind)
+
+
+def choose_port(config: LaunchConfig, notes: list[str]) -> int:
+    """The rendezvous port: the configured one, or a free one (port 0, unset, or busy on one machine).
+
+    Raises:
+        ConfigurationError: the port is busy on the main machine of a multi-machine run.
+    """
+    from hasten.environments import find_free_port
+
+    port = config.main_process_port
+    single = config.num_machines == 1
+    if port == 0 or (port is None and single):
+        return find_free_port()
+    port = DEFAULT_PORT if port is None else port
+    if config.machine_rank == 0 and port_in_use(port):
+        if single:
+            free = find_free_port()
+            notes.append(f"port {port} is in use; using free port {free} instead")
+            return free
+        raise ConfigurationError(f"main_process_port={port} is already in use on this machine (the main machine "
+                                 "of a multi-machine run). HINT: pass --main_process_port with a free port on every "
+                                 "machine, or stop the process holding it.")
+    return port
+
+
+def default_threads(config: LaunchConfig, nproc_per_node: int, requested: int | None,
+                    env: Mapping[str, str]) -> int | None:
+    """``OMP_NUM_THREADS`` for workers: the request, else the caller's, else cores / local processes on CPU."""
+    if requested is not None:
+        if requested < 1:
+            raise ConfigurationError(f"--num_cpu_threads_per_process={requested} must be at least 1.")
+        return requested
+    if env.get("OMP_NUM_THREADS"):
+        return None  # inherited by the workers as it is
+    if nproc_per_node > 1 and config.use_cpu:
+        return max(1, (os.cpu_count() or 1) // nproc_per_node)
+    return None
+
+
+def _rdzv_conf(config: LaunchConfig, requested: str) -> str:
+    # With c10d every agent may think it hosts the store when all share one address; say who does.
+    if config.rdzv_backend != "c10d" or config.num_machines == 1 or "is_host" in requested:
+        return requested
+    extra = f"is_host={'1' if config.machine_rank == 0 else '0'}"
+    return f"{requested},{extra}" if requested else extra
+
+
+def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, str],
+               device_count: int | None = None) -> LaunchPlan:
+    """Decide how to start the run: launcher, processes, rendezvous, worker command and environment.
+
+    Args:
+        config: the configuration after command-line flags were applied over the file.
+        options: run settings that are not part of the file (script, restarts, ...).
+        env: the launcher's environment (SLURM detection, ``OMP_NUM_THREADS``).
+        device_count: GPUs on this machine (detected when ``None``).
+
+    Raises:
+        ConfigurationError: the settings are invalid or name an unavailable engine.
+    """
+    from hasten.launchers.slurm import apply_slurm, slurm_step_info
+
+    check_engine_available(config)
+    command = worker_command(options)
+    slurm_task = False
+    info = slurm_step_info(env)
+    if info is not None and not options.use_mpi:
+        config, slurm_task = apply_slurm(config, info)
+    config = resolve_processes(config, local_device_count(env) if device_count is None else device_count)
+    config.validate("the launch settings")
+    hostfile = config.mpirun_config.get("mpirun_hostfile")
+    if options.use_mpi or hostfile:
+        launcher = "mpirun"
+    elif slurm_task:
+        launcher = "slurm-task"
+    elif config.num_processes > 1 or config.num_machines > 1:  # type: ignore[operator]
+        launcher = "torchrun"
+    else:
+        launcher = "process"
+    notes: list[str] = []
+    nproc = config.num_processes // config.num_machines  # type: ignore[operator]
+    addr = config.main_process_ip or "127.0.0.1"
+    port = choose_port(config, notes) if launcher in ("torchrun", "mpirun") else (config.main_process_port or 0)
+    config = dataclasses.replace(config, main_process_ip=addr, main_process_port=port or None)
+    variables = worker_env(config, default_threads(config, nproc, options.num_cpu_threads_per_process, env))
+    backend = config.rdzv_backend
+    if launcher == "torchrun" and options.max_restarts > 0 and backend == "static":
+        # torch's static rendezvous reuses the store keys of the previous round, so restarted workers can
+        # read a dead peer's address; c10d rendezvous starts every round under a fresh prefix.
+        if config.num_machines == 1:
+            backend = "c10d"
+        else:
+            notes.append("--max_restarts with the static rendezvous may fail to reconnect after a restart; "
+                         "use --rdzv_backend c10d on every machine")
+    plan = LaunchPlan(launcher=launcher, config=config, command=command, env=variables, nproc_per_node=nproc,
+                      nnodes=config.num_machines, node_rank=config.machine_rank, master_addr=addr,
+                      master_port=port or DEFAULT_PORT, rdzv_backend=backend,
+                      rdzv_conf=_rdzv_conf(config, options.rdzv_conf), notes=notes)
+    if launcher == "slurm-task":
+        plan.nproc_per_node, plan.nnodes = 1, config.num_processes  # type: ignore[assignment]
+        plan.node_rank = 0
+    if launcher == "mpirun":
+        _wrap_in_mpirun(plan, hostfile)
+    return plan
+
+
+def _wrap_in_mpirun(plan: LaunchPlan, hostfile: str | None) -> None:
+    from hasten.launchers.mpirun import find_mpirun, mpi_flavour, mpirun_command
+
+    plan.env.update(MASTER_ADDR=plan.master_addr, MASTER_PORT=str(plan.master_port))
+    mpirun = find_mpirun()
+    plan.command = mpirun_command(mpirun, mpi_flavour(mpirun), plan.command, plan.num_processes,
+                                  plan.nproc_per_node, hostfile, plan.env)

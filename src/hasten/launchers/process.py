@@ -1,0 +1,61 @@
+"""Run one command as a child process with extra environment variables, forwarding termination signals
+and propagating its exit code (the single-process, SLURM-task and mpirun paths)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from types import FrameType
+
+from hasten.exceptions import LaunchError
+
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+
+
+def exit_code(returncode: int) -> int:
+    """A shell-style exit code: a child killed by signal N gives 128 + N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def run_process(command: list[str], extra_env: Mapping[str, str]) -> int:
+    """Run ``command`` with ``extra_env`` added to this process's environment; return its exit code.
+
+    SIGTERM/SIGHUP sent to the launcher are passed on to the child; Ctrl-C reaches the child through
+    the terminal's process group, and the launcher then waits for it to finish.
+
+    Example:
+        >>> run_process([sys.executable, "-c", "pass"], {"HASTEN_LAUNCH_CONFIG": "{}"})
+        0
+
+    Raises:
+        LaunchError: the command cannot be started (missing executable, not executable).
+    """
+    env = dict(os.environ)
+    env.update(extra_env)
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        raise LaunchError(f"Cannot start {command[0]!r}: {exc.strerror}. HINT: check the path; with --no_python "
+                          "the script must be an executable file.") from None
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    try:
+        while True:
+            try:
+                return exit_code(child.wait())
+            except KeyboardInterrupt:
+                # The child got the same Ctrl-C; give it the chance to stop cleanly, then insist.
+                try:
+                    return exit_code(child.wait(timeout=10))
+                except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                    child.kill()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sys.stdout.flush()
