@@ -105,7 +105,8 @@ def test_debug_mode_names_rank_that_skipped_a_collective(tmp_path):
                      env={"HASTEN_DEBUG_MODE": "1"})
     message = str(info.value)
     assert "--- rank 0 ---" in message and "DistributedOperationError" in message
-    assert "collective #1 `gather_object` but rank(s) 1 did not arrive" in message
+    assert "collective #1 `gather_object` at " in message and "test_state.py" in message
+    assert "but rank(s) 1 did not arrive" in message
 
 
 def test_debug_off_has_no_extra_collectives():
@@ -113,3 +114,19 @@ def test_debug_off_has_no_extra_collectives():
 
     PartialState()
     assert not debug_checks_enabled()
+
+
+@pytest.mark.world_size(2, env={"HASTEN_DEBUG_MODE": "1"})
+def test_hang_doctor_names_both_operations_and_call_sites():
+    state = PartialState(timeout=datetime.timedelta(seconds=20))
+    gather(torch.ones(2))  # a matching collective first: it shows up in the history
+    with pytest.raises(DistributedOperationError) as info:
+        if state.process_index == 0:
+            gather(torch.ones(3))
+        else:
+            state.wait_for_everyone()
+    message = str(info.value)
+    assert "rank 0: collective #2 `gather` with shape (3,) float32 at " in message
+    assert "rank 1: collective #2 `wait_for_everyone` with None at " in message
+    assert message.count("test_state.py:") >= 3  # both call sites and the shared history point at this test
+    assert "previous collectives" in message and "#1 `gather` with shape (2,)" in message

@@ -8,8 +8,11 @@ all ranks exchange the operation's name and tensor shapes; any difference raises
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass
+import sys
+from collections import deque
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -25,9 +28,25 @@ class _DebugConfig:
     group: Any = None
     timeout: timedelta = timedelta(minutes=5)
     counter: int = 0
+    # The last collectives this rank entered (the "hang doctor" prints them when ranks disagree).
+    recent: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_COLLECTIVES))
 
 
+RECENT_COLLECTIVES = 6
 _CONFIG = _DebugConfig()
+_HASTEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def call_site() -> str:
+    """``file:line in function`` of the first frame outside hasten and torch: the user's code."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith((_HASTEN_DIR, _TORCH_DIR)) and "contextlib" not in filename:
+            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<unknown>"
 
 
 def enable_debug_checks(group: Any, timeout: timedelta) -> None:
@@ -36,6 +55,7 @@ def enable_debug_checks(group: Any, timeout: timedelta) -> None:
     _CONFIG.group = group
     _CONFIG.timeout = timeout
     _CONFIG.counter = 0
+    _CONFIG.recent.clear()
 
 
 def disable_debug_checks() -> None:
@@ -89,27 +109,38 @@ def verify_operation(name: str, data: Any = None, *, same_shapes: bool = True,
     _CONFIG.counter += 1
     seq = _CONFIG.counter
     rank = dist.get_rank()
+    site = call_site()
+    desc = describe(data)
+    if same_ndim_only:
+        desc = _ndims(desc)
+    history = list(_CONFIG.recent)
+    _CONFIG.recent.append(f"#{seq} `{name}` with {_format(desc)} at {site}")
     try:
         dist.monitored_barrier(group=_CONFIG.group, timeout=_CONFIG.timeout, wait_all_ranks=True)
     except RuntimeError as exc:
         match = re.search(r"Ranks? ([\d, ]+) failed", str(exc))
         missing = f"rank(s) {match.group(1).strip()}" if match else "some ranks"
         raise DistributedOperationError(
-            f"debug mode: rank {rank} reached collective #{seq} `{name}` but {missing} did not arrive within "
-            f"{_CONFIG.timeout} ({exc}). A collective must be called by every process (for example not "
-            "inside `if accelerator.is_main_process:`).") from exc
-    desc = describe(data)
-    if same_ndim_only:
-        desc = _ndims(desc)
+            f"debug mode: rank {rank} reached collective #{seq} `{name}` at {site} but {missing} did not arrive "
+            f"within {_CONFIG.timeout} ({exc}). A collective must be called by every process (for example not "
+            "inside `if accelerator.is_main_process:`)." + _history_lines(rank, history)) from exc
     mine = (name, seq, desc if (same_shapes or same_ndim_only) else None)
     views: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(views, mine, group=_CONFIG.group)
-    if any(v != views[0] for v in views):
-        lines = "\n".join(f"  rank {r}: collective #{v[1]} `{v[0]}` with {_format(v[2])}" for r, v in enumerate(views))
+    dist.all_gather_object(views, (mine, site, history), group=_CONFIG.group)
+    if any(v[0] != views[0][0] for v in views):
+        lines = "\n".join(f"  rank {r}: collective #{v[0][1]} `{v[0][0]}` with {_format(v[0][2])} at {v[1]}"
+                          for r, v in enumerate(views))
         raise DistributedOperationError(
             f"debug mode: ranks disagree on collective #{seq} (seen from rank {rank}):\n{lines}\n"
             "Every rank must call the same collectives in the same order, with equal shapes "
-            "(use `pad_across_processes` before `gather` for tensors of different lengths).")
+            "(use `pad_across_processes` before `gather` for tensors of different lengths)."
+            + "".join(_history_lines(r, v[2]) for r, v in enumerate(views)))
+
+
+def _history_lines(rank: int, history: list[str]) -> str:
+    if not history:
+        return ""
+    return f"\n  rank {rank}'s previous collectives:\n" + "\n".join(f"    {h}" for h in history)
 
 
 def _ndims(desc: Any) -> Any:
