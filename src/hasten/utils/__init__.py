@@ -37,6 +37,7 @@ _add("hasten.ops.random", "set_seed", "synchronize_rng_state", "synchronize_rng_
 _add("hasten.utils.other", "wait_for_everyone")
 _add("hasten.logging", "get_logger")
 _add("hasten.utils.serialization", "save_atomically")
+_add("hasten.commands.config", "write_basic_config")
 _add("hasten.utils.memory", "find_executable_batch_size", "release_memory", "clear_device_cache",
      "should_reduce_batch_size")
 _add("hasten.tracking", "filter_trackers", "get_available_trackers")
