@@ -49,12 +49,12 @@ def test_last_batch_of_loader_always_syncs():
     model = nn.Linear(1, 1)
     loader = accelerator.prepare(DataLoader(torch.arange(10.0).unsqueeze(1), batch_size=1))
     syncs = []
-    for i, batch in enumerate(loader, 1):
+    for i, _ in enumerate(loader, 1):
         with accelerator.accumulate(model):
             if accelerator.sync_gradients:
                 syncs.append(i)
     assert syncs == [4, 8, 10]
-    for i, batch in enumerate(loader, 1):  # the next epoch starts a fresh window
+    for i, _ in enumerate(loader, 1):  # the next epoch starts a fresh window
         with accelerator.accumulate(model):
             if accelerator.sync_gradients:
                 syncs.append(i)
