@@ -9,12 +9,12 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # torch is pinned first: these machines hold a CPU wheel of 2.13.0; an unpinned torch pulls a multi-GB CUDA build.
+# DeepSpeed builds against the installed torch, so it cannot use pip's isolated build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 setuptools wheel
 	$(PY) -m pip install --quiet -e '.[dev]'
-	# DeepSpeed builds against the installed torch, so it cannot use pip's isolated build.
 	$(PY) -m pip install --quiet --no-build-isolation deepspeed==0.19.8
 	touch $(STAMP)
 
