@@ -19,30 +19,21 @@ import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from hasten.config.env import launch_config_to_env
 from hasten.exceptions import ConfigurationError, LaunchError
+from hasten.utils.environment import patch_environment
 
 _PRECISIONS = ("no", "fp16", "bf16", "fp8")
 
 
-@contextmanager
-def _added_environment(extra: Mapping[str, str]) -> Iterator[None]:
-    # Forked ranks inherit the parent's environment, so the variables are set here for the launch.
-    saved = {key: os.environ.get(key) for key in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
+def _added_environment(extra: Mapping[str, str]) -> Any:
+    # Workers (forked ranks, or the agent's children) copy this process's environment, so the
+    # variables are set here for the duration of the launch.
+    return patch_environment(**extra)
 
 
 def _refuse_unsafe_fork() -> None:

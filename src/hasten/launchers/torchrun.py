@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from typing import Any
 
 from hasten.launchers.plan import LaunchOptions, LaunchPlan
+from hasten.utils.environment import patch_environment
 
 
 def torchrun_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
@@ -41,19 +42,10 @@ def torchrun_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
     return [*argv, options.script, *options.script_args]
 
 
-@contextmanager
-def _added_environment(extra: Mapping[str, str]) -> Iterator[None]:
-    # The agent copies this process's environment into every worker, so the variables go here.
-    saved = {key: os.environ.get(key) for key in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
+def _added_environment(extra: Mapping[str, str]) -> Any:
+    # Workers (forked ranks, or the agent's children) copy this process's environment, so the
+    # variables are set here for the duration of the launch.
+    return patch_environment(**extra)
 
 
 def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
