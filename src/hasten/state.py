@@ -260,6 +260,8 @@ class PartialState:
         """Tear down the process group (idempotent). hasten also does this at exit for groups it started."""
         if group is None and self.fork_launched:
             return
+        if group is None:
+            _run_before_destroy_hooks()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group(group)
         if group is None:
@@ -435,6 +437,7 @@ def reset_state() -> None:
     """
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+    _BEFORE_DESTROY.clear()
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -453,6 +456,24 @@ def _limit_cpu_threads(device_kind: Device, info: ProcessInfo) -> None:
 
 _EXIT = {"installed": False}
 _EXIT_LOCK = threading.Lock()
+_BEFORE_DESTROY: list[Callable[[], None]] = []
+
+
+def add_before_destroy_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook`` right before hasten destroys the process group (``end_training`` or interpreter exit).
+
+    Strategies use it to release objects (DDP reducers) that must not outlive the group.
+    """
+    _BEFORE_DESTROY.append(hook)
+
+
+def _run_before_destroy_hooks() -> None:
+    while _BEFORE_DESTROY:
+        hook = _BEFORE_DESTROY.pop()
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - tearing down: one failing hook must not keep the group alive
+            pass
 
 
 def _install_exit_teardown() -> None:
@@ -484,6 +505,7 @@ def _teardown_at_exit() -> None:
     barrier is added: a barrier would hang when one rank leaves through ``sys.exit`` while another
     is still waiting, whereas after a destroy the waiting peer gets an error instead.
     """
+    _run_before_destroy_hooks()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

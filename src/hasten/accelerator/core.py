@@ -21,7 +21,7 @@ from hasten.config import env as hasten_env
 from hasten.connector import build_parts, resolve_settings
 from hasten.exceptions import ConfigurationError
 from hasten.precision import detach_autocast_forward
-from hasten.state import AcceleratorState, GradientState
+from hasten.state import AcceleratorState, GradientState, add_before_destroy_hook
 from hasten.tracking import filter_trackers
 from hasten.utils.dataclasses import (
     PROFILE_PATTERN_NAME,
@@ -109,6 +109,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)
         self.state.distributed_type = self._strategy.distributed_type
+        add_before_destroy_hook(self._strategy.release)
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
             num_steps=self._settings.gradient_accumulation_steps, adjust_scheduler=False)
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)

@@ -43,6 +43,12 @@ class Strategy:
         self.distributed_type = distributed_type
         self.num_processes = num_processes
 
+    def release(self) -> None:
+        """Drop what ties prepared models to the process group, before the group is destroyed.
+
+        Called by ``end_training`` and at interpreter exit. Default: nothing to release.
+        """
+
     def apply_precision(self, model: nn.Module) -> None:
         """Give the model's forward this run's mixed precision (autocast + fp32 outputs by default)."""
         if self.precision.native_amp:
