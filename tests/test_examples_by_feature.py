@@ -136,8 +136,6 @@ def test_deepspeed_zero_two_processes(tmp_path):
     assert re.search(r"^epoch 0: accuracy [0-9.]+ \(ZeRO stage 3, 2 process\(es\)\)", out, re.MULTILINE), out
 
 
-@pytest.mark.xfail(strict=True, reason="hasten bug: a single-process DeepSpeed run (python script.py) does not set "
-                   "LOCAL_RANK, which deepspeed.initialize asserts on; reported to the lead")
 def test_deepspeed_zero_one_process(tmp_path):
     out = run_feature("deepspeed_zero.py", "--num_epochs", "1", "--zero_stage", "2", cwd=tmp_path)
     assert "(ZeRO stage 2, 1 process(es))" in out

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from hasten.launchers.notebook import notebook_launcher
+from hasten import notebook_launcher
 
 
 def get_dataloaders(batch_size: int) -> tuple[DataLoader, DataLoader]:

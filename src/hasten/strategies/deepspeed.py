@@ -92,9 +92,14 @@ def _ensure_process_group(device: torch.device, num_processes: int) -> None:
         if num_processes != 1:
             raise DistributedOperationError(f"DeepSpeed: {num_processes} processes expected but torch.distributed is "
                                             "not initialised; start the run with `hasten launch`.")
-        # A private in-memory store: no port, no environment variables, nothing to clean up.
+        # A private in-memory store: no port, nothing to clean up.
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
                                 world_size=1)
+    # deepspeed.initialize asserts torchrun's variables; a plain `python script.py` run has none.
+    for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", 0 if num_processes == 1 else None),
+                       ("WORLD_SIZE", dist.get_world_size())):
+        if value is not None:
+            os.environ.setdefault(key, str(value))
     if dist.get_world_size() != num_processes:
         raise DistributedOperationError(f"DeepSpeed would see {dist.get_world_size()} processes but hasten counts "
                                         f"{num_processes}; initialise one process group for the whole run.")
