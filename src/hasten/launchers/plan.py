@@ -99,8 +99,15 @@ def worker_env(config: LaunchConfig, num_threads: int | None = None) -> dict[str
     return env
 
 
-def worker_command(options: LaunchOptions) -> list[str]:
+#: Python workers run through this bootstrap (see its docstring: a finished script must exit cleanly).
+WORKER_MODULE = "hasten.launchers.worker"
+
+
+def worker_command(options: LaunchOptions, bootstrap: bool = False) -> list[str]:
     """The command each worker runs: ``python [-m] script args`` or the script itself (``--no_python``).
+
+    With ``bootstrap`` a Python worker runs through :mod:`hasten.launchers.worker`, which ends a
+    finished script without interpreter finalization (used where a process group exists).
 
     Raises:
         ConfigurationError: the script does not exist, or ``--module`` with ``--no_python``.
@@ -113,7 +120,10 @@ def worker_command(options: LaunchOptions) -> list[str]:
                                  "(relative to the current folder), or pass -m/--module to run a module.")
     if options.no_python:
         return [options.script, *options.script_args]
-    return [sys.executable, *(["-m"] if options.module else []), options.script, *options.script_args]
+    if not bootstrap:
+        return [sys.executable, *(["-m"] if options.module else []), options.script, *options.script_args]
+    return [sys.executable, "-m", WORKER_MODULE, *(["--module"] if options.module else []), options.script,
+            *options.script_args]
 
 
 def check_engine_available(config: LaunchConfig) -> None:
@@ -255,6 +265,8 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
         launcher = "torchrun"
     else:
         launcher = "process"
+    if launcher in ("mpirun", "slurm-task"):
+        command = worker_command(options, bootstrap=True)
     notes: list[str] = []
     nproc = config.num_processes // config.num_machines  # type: ignore[operator]
     addr = config.main_process_ip or "127.0.0.1"

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from hasten.launchers.plan import LaunchOptions, LaunchPlan
+from hasten.launchers.plan import WORKER_MODULE, LaunchOptions, LaunchPlan
 from hasten.utils.environment import patch_environment
 
 
@@ -35,11 +35,12 @@ def torchrun_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
         argv += ["--rdzv_id", "hasten"]
     if options.log_dir:
         argv += ["--log_dir", options.log_dir]
-    if options.module:
-        argv.append("--module")
     if options.no_python:
-        argv.append("--no_python")
-    return [*argv, options.script, *options.script_args]
+        return [*argv, "--no_python", options.script, *options.script_args]
+    # Python workers go through hasten's bootstrap, which ends a finished script without the
+    # interpreter finalization where gloo can abort (see hasten.launchers.worker).
+    target = ["--module"] if options.module else []
+    return [*argv, "--module", WORKER_MODULE, *target, options.script, *options.script_args]
 
 
 def _added_environment(extra: Mapping[str, str]) -> Any:

@@ -1,0 +1,66 @@
+"""The entry point ``hasten launch`` gives each worker: run the user's script, then leave cleanly.
+
+``python -m hasten.launchers.worker [--module] TARGET ARGS...`` runs ``TARGET`` exactly as
+``python TARGET ARGS`` (or ``python -m TARGET``) would, then runs the interpreter's exit handlers
+(trackers finishing, hasten's process-group teardown, logging) and ends the process with the script's
+exit code *without* interpreter finalization. Finalization is where gloo aborts a finished run
+("terminate called without an active exception") when objects that hold the process group (DDP
+reducers, FSDP2 meshes, DeepSpeed engines) are destroyed after it; skipping it makes a successful
+script a successful worker, always.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+from typing import Any
+
+
+def _exit_code(code: Any) -> int:
+    """What ``SystemExit(code)`` means as a process exit status (as the interpreter does it)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run_target(target: str, args: list[str], as_module: bool) -> int:
+    """Run the script (or module) as ``__main__``; return its exit status."""
+    sys.argv = [target, *args]
+    if not as_module:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py` sets it
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        return _exit_code(exc.code)
+    except BaseException:  # noqa: BLE001 - report exactly like an uncaught exception, then fail
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the worker described by ``argv`` and exit with its status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_module = argv[:1] == ["--module"]
+    if as_module:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m hasten.launchers.worker [--module] TARGET [ARGS...]", file=sys.stderr)
+        os._exit(2)
+    code = run_target(argv[0], argv[1:], as_module)
+    atexit._run_exitfuncs()  # trackers, hasten's teardown, logging.shutdown: everything exit would run
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
