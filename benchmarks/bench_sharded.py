@@ -13,6 +13,15 @@ Ratios are to hasten's DDP. Accelerate (if installed) runs the same loop with ``
 it Accelerate trains each rank alone on a CPU-only machine). Accelerate's FSDP2 does not run on CPU (with
 ``cpu=True`` it silently falls back to DDP): its row says so instead of reporting DDP numbers.
 
+DeepSpeed ZeRO-2 and ZeRO-3 rows (if deepspeed is installed) use the same torch AdamW as the client
+optimizer and the same JSON config for both libraries: micro-batch 32, fp32, no gradient clipping (as in
+the other rows), ``zero_allow_untested_optimizer``. ``accelerator.backward`` runs the engine's backward
+and step, so the step time covers the same work as the other rows. Their "state MB" is every distinct
+tensor storage the engine keeps between steps (module parameters or, under ZeRO-3, their partitions;
+flat parameter groups, fp32 master partitions, gradient partitions and buffers; optimizer states): the
+engine also keeps copies the other rows do not have. Accelerate's DeepSpeed integration does not run on
+CPU gloo ranks (it counts one process while DeepSpeed sees the whole group): its rows say so.
+
 On gloo, all-gather and reduce-scatter are slower per byte than all-reduce (measured here: 33.6 MB
 all-reduce 31 ms, all-gather 46 ms, reduce-scatter 61 ms), and FSDP2 moves ~1.5x DDP's bytes, so
 sharding costs time on CPU; it buys the memory column. On GPUs (NCCL) the balance differs.
@@ -23,6 +32,7 @@ sharding costs time on CPU; it buys the memory column. On GPUs (NCCL) the balanc
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import threading
 import time
@@ -108,6 +118,30 @@ def _state_bytes(model: nn.Module, optimizer: Any) -> int:
     return _local_bytes(params) + _local_bytes(p.grad for p in params if p.grad is not None) + _local_bytes(states)
 
 
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Tensors held by ``obj`` directly or in a list/tuple/dict attribute (one level deep), with their .grad."""
+    found: list[torch.Tensor] = []
+    for value in vars(obj).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            for t in (item if isinstance(item, (list, tuple)) else [item]):
+                if isinstance(t, torch.Tensor):
+                    found += [t] + ([t.grad] if t.grad is not None else [])
+    return found
+
+
+def _deepspeed_state_bytes(engine: Any) -> int:
+    """Bytes of the distinct storages a DeepSpeed engine keeps (see the module docstring)."""
+    zero = engine.optimizer  # DeepSpeed's ZeRO optimizer, wrapping the client torch optimizer
+    tensors: list[torch.Tensor] = []
+    for p in engine.module.parameters():
+        tensors += [p.data] + [t for t in (getattr(p, "ds_tensor", None), p.grad) if t is not None]
+    tensors += _tensors_in(zero)
+    tensors += [v for s in zero.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type == "cpu"}
+    return sum(storages.values())
+
+
 def _loop(accelerator: Any, steps: int, memory_run: bool) -> tuple[float, float, float]:
     if memory_run:
         _fixed_mmap_threshold()
@@ -125,7 +159,8 @@ def _loop(accelerator: Any, steps: int, memory_run: bool) -> tuple[float, float,
                 start = time.perf_counter()
             accelerator.backward(nn.functional.mse_loss(model(x), y))
             if step == WARMUP:  # gradients present, optimizer state built during warm-up
-                state_bytes = _state_bytes(model, optimizer)
+                state_bytes = (_deepspeed_state_bytes(model) if type(model).__name__ == "DeepSpeedEngine"
+                               else _state_bytes(model, optimizer))
             optimizer.step()
             optimizer.zero_grad()
         accelerator.wait_for_everyone()
@@ -133,9 +168,21 @@ def _loop(accelerator: Any, steps: int, memory_run: bool) -> tuple[float, float,
     return elapsed / steps * 1e3, state_bytes / 2**20, rss.peak / 2**20
 
 
+def _ds_config(kind: str) -> dict[str, Any]:
+    """The same DeepSpeed config for both libraries: ZeRO stage from ``kind`` ("zero2"/"zero3"), fp32."""
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": int(kind[-1])}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+
+
 def hasten_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float, float]:
     from hasten import Accelerator
     from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
+
+    if kind.startswith("zero"):
+        from hasten.config.plugins.deepspeed import DeepSpeedPlugin
+
+        return _loop(Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_ds_config(kind))), steps, memory_run)
 
     plugins = {"ddp": None, "fsdp2": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]),
                "fsdp2-keep": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"],
@@ -146,6 +193,8 @@ def hasten_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float, f
 def accelerate_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float, float]:
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
+    if kind.startswith("zero"):
+        return _accelerate_deepspeed_run(kind, steps, memory_run)
     plugin = None
     if kind == "fsdp2":
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
@@ -157,11 +206,33 @@ def accelerate_run(kind: str, steps: int, memory_run: bool) -> tuple[float, floa
     return _loop(accelerator, steps, memory_run)
 
 
+def _accelerate_deepspeed_run(kind: str, steps: int, memory_run: bool) -> tuple[Any, ...]:
+    import torch.distributed as dist
+    from accelerate import Accelerator, DeepSpeedPlugin
+
+    # Not cpu=True: with it Accelerate drops the plugin and runs plain DDP (checked below all the same).
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_ds_config(kind)))
+    group = dist.get_world_size() if dist.is_initialized() else 1
+    if str(accelerator.distributed_type) != "DistributedType.DEEPSPEED":
+        raise RuntimeError(f"not run: Accelerate ignored deepspeed_plugin and runs {accelerator.distributed_type}")
+    mismatch = (f"Accelerate counts {accelerator.num_processes} process(es) where DeepSpeed sees {group}"
+                if accelerator.num_processes != group else "")
+    try:
+        result = _loop(accelerator, steps, memory_run)
+    except Exception as exc:
+        if mismatch:  # the known CPU failure: say what it is, not only DeepSpeed's last line
+            raise RuntimeError(f"not run: {mismatch}; DeepSpeed then fails: {type(exc).__name__}: "
+                               f"{str(exc).strip().splitlines()[0][:150]}") from exc
+        raise
+    return (*result, mismatch) if mismatch else result
+
+
 def _measure(fn: Callable[..., tuple[float, float, float]], kind: str, steps: int, memory_run: bool = False) -> Any:
     try:
         return run_on_ranks(fn, world_size=2, args=(kind, steps, memory_run), timeout=600)[0]
     except Exception as exc:  # a framework that cannot run this setup is reported, not fatal
-        return f"failed: {str(exc).strip().splitlines()[-1][:160]}"
+        last = str(exc).strip().splitlines()[-1]
+        return last[last.index("not run"):] if "not run:" in last else f"failed: {last[:300]}"
 
 
 def _fixed_mmap_threshold() -> None:
@@ -184,10 +255,17 @@ def main() -> None:
     setups: dict[str, tuple[Callable[..., Any], str]] = {
         "hasten ddp": (hasten_run, "ddp"), "hasten fsdp2": (hasten_run, "fsdp2"),
         "hasten fsdp2 (no reshard)": (hasten_run, "fsdp2-keep")}
+    has_deepspeed = importlib.util.find_spec("deepspeed") is not None  # not imported here: the ranks import it
+    if has_deepspeed:
+        setups.update({"hasten zero2": (hasten_run, "zero2"), "hasten zero3": (hasten_run, "zero3")})
+    else:
+        print("deepspeed is not installed: its rows are skipped")
     try:
         import accelerate  # noqa: F401
 
         setups.update({"accelerate ddp": (accelerate_run, "ddp"), "accelerate fsdp2": (accelerate_run, "fsdp2")})
+        if has_deepspeed:
+            setups.update({"accelerate zero2": (accelerate_run, "zero2"), "accelerate zero3": (accelerate_run, "zero3")})
     except ImportError:
         print("accelerate is not installed: its rows are skipped")
     results: dict[str, list[Any]] = {name: [] for name in setups}
@@ -208,6 +286,8 @@ def main() -> None:
         ms, state = (statistics.median(r[i] for r in runs) for i in range(2))
         peak = memory[name][2] if isinstance(memory[name], tuple) else float("nan")
         print(f"  {name:28s} {ms:8.2f} {ms / base:6.2f}x {state:9.1f} {state / base_state:6.2f}x {peak:12.1f}")
+        if len(runs[0]) > 3:  # a setup that ran, but not as a consistent 2-process run of its library
+            print(f"  {'':28s} ({runs[0][3]}: DeepSpeed trained on both ranks, Accelerate's own counts are wrong)")
 
 
 if __name__ == "__main__":
