@@ -46,15 +46,11 @@ def _sources():
 
 
 def _module_level_imports(tree: ast.Module):
-    for node in tree.body:
-        nodes = [node]
-        if isinstance(node, ast.If):  # `if TYPE_CHECKING:` blocks are fine either way
-            continue
-        for n in nodes:
-            if isinstance(n, ast.Import):
-                yield from (a.name for a in n.names)
-            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
-                yield n.module
+    for node in tree.body:  # `if TYPE_CHECKING:` blocks are not module-level imports
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
 
 
 @pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(SRC)))

@@ -110,12 +110,13 @@ def resolve_settings(kwargs: Mapping[str, Any], launch: Mapping[str, Any]) -> Se
     Raises:
         ConfigurationError: invalid values, or an argument that contradicts the launch configuration.
     """
+    dynamo_backend, dynamo_kwargs = _dynamo(kwargs.get("dynamo_backend"), kwargs.get("dynamo_plugin"), launch)
     return Settings(
         mixed_precision=_precision(kwargs.get("mixed_precision"), launch),
         gradient_accumulation_steps=_accumulation(kwargs.get("gradient_accumulation_steps", 1),
                                                   kwargs.get("gradient_accumulation_plugin"), launch),
-        dynamo_backend=_dynamo(kwargs.get("dynamo_backend"), kwargs.get("dynamo_plugin"), launch)[0],
-        dynamo_kwargs=_dynamo(kwargs.get("dynamo_backend"), kwargs.get("dynamo_plugin"), launch)[1],
+        dynamo_backend=dynamo_backend,
+        dynamo_kwargs=dynamo_kwargs,
         cpu=bool(kwargs.get("cpu")) or bool(launch.get("use_cpu", False)),
         fsdp_plugin=_fsdp_plugin(kwargs.get("fsdp_plugin"), launch),
         deepspeed_plugin=_deepspeed_plugin(kwargs.get("deepspeed_plugin"), launch),

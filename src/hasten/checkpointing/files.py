@@ -50,6 +50,11 @@ def torch_load(path: Path, map_location: Any = "cpu") -> Any:
                               "objects that cannot be loaded safely (weights_only=True).") from exc
 
 
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, int, tuple[int, ...]]:
+    """Tensors with the same key are the same memory (tied weights)."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+
+
 def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Keep one name per storage (tied weights), as safetensors requires; tensors made contiguous."""
     seen: dict[tuple[Any, int, tuple[int, ...]], str] = {}
@@ -57,7 +62,7 @@ def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
     for name, tensor in state_dict.items():
         if not isinstance(tensor, torch.Tensor):
             continue
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        key = _storage_key(tensor)
         if tensor.device.type != "meta" and key in seen:
             continue
         seen[key] = name
@@ -137,8 +142,7 @@ def _storage_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, list[s
     by_storage: dict[tuple[Any, int, tuple[int, ...]], list[str]] = {}
     for name, tensor in state_dict.items():
         if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-            by_storage.setdefault(key, []).append(name)
+            by_storage.setdefault(_storage_key(tensor), []).append(name)
     return {n: [a for a in names if a != n] for names in by_storage.values() if len(names) > 1 for n in names}
 
 

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hasten.ops.tree import convert_to_fp32
 from hasten.utils.dataclasses import AutocastKwargs
 
 
@@ -63,8 +64,6 @@ class _ForwardWithAutocast:
         functools.update_wrapper(self, original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from hasten.ops.tree import convert_to_fp32
-
         with self.precision.autocast():
             out = self.model_forward(*args, **kwargs)
         return convert_to_fp32(out)
