@@ -28,3 +28,7 @@ class DistributedOperationError(HastenError, RuntimeError):
 
 class LaunchError(HastenError, RuntimeError):
     """Processes could not be started, or a worker failed."""
+
+
+class CheckpointError(HastenError, RuntimeError):
+    """A checkpoint is missing, incomplete, corrupted or does not match what is being restored."""

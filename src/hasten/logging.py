@@ -1,4 +1,5 @@
-"""Rank-aware logging: ``get_logger(__name__)`` logs once (on the main process) unless told otherwise.
+"""Rank-aware logging: ``get_logger(__name__)`` logs once (on the main process) unless told otherwise,
+and ``tqdm`` draws one progress bar per machine.
 
 Every record carries the rank of the process that wrote it (``record.rank``, usable in a format string
 as ``%(rank)s``), and with several processes the message is prefixed by ``[RANK i]``. The level can be
@@ -119,3 +120,30 @@ def get_logger(name: str, log_level: str | None = None) -> MultiProcessAdapter:
         logger.setLevel(level.upper())
         logger.root.setLevel(level.upper())
     return MultiProcessAdapter(logger, {})
+
+
+def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
+    """A ``tqdm.auto.tqdm`` bar, shown on the local main process only unless ``main_process_only=False``.
+
+    Arguments are ``tqdm``'s. On the other processes the bar is created with ``disable=True``, so it
+    still iterates (and ``update``/``close`` work) but draws nothing.
+
+    Raises:
+        ValueError: a bool was passed as the first argument (the old positional ``main_process_only``
+            of Accelerate); pass ``main_process_only=...`` by keyword.
+
+    Example:
+        >>> for batch in tqdm(dataloader, desc="train"):
+        ...     ...
+    """
+    if args and isinstance(args[0], bool):
+        raise ValueError("tqdm(True/False, ...) is not supported: pass `main_process_only=` as a keyword "
+                         "argument and the iterable first, e.g. tqdm(loader, main_process_only=True).")
+    from tqdm.auto import tqdm as _tqdm
+
+    from hasten.state import PartialState
+
+    disable = kwargs.pop("disable", False)
+    if main_process_only and not disable:
+        disable = PartialState().local_process_index != 0
+    return _tqdm(*args, **kwargs, disable=disable)

@@ -440,6 +440,11 @@ def reset_state() -> None:
     _BEFORE_DESTROY.clear()
 
 
+def wait_for_everyone() -> None:
+    """Barrier across all processes (a no-op with one process); ``hasten.utils.wait_for_everyone``."""
+    PartialState().wait_for_everyone()
+
+
 # ------------------------------------------------------------------------------------------ helpers
 def _limit_cpu_threads(device_kind: Device, info: ProcessInfo) -> None:
     # N processes on one machine each using every core oversubscribe it badly; share the cores out.

@@ -64,7 +64,11 @@ class PrepareMixin:
         placement = self.device_placement if placements[index] is None else placements[index]
         self._strategy.observe_prepare_call(args, split_batches=self.split_batches)
         model, new_optimizers = self._strategy.prepare_model_and_optimizers(
-            args[index], [args[i] for i in optimizers], device_placement=placement)
+            args[index], [args[i] for i in optimizers], device_placement=placement,
+            accumulation_steps=self.gradient_accumulation_steps)
+        steps = self._strategy.accumulation_steps(self.gradient_accumulation_steps)
+        if steps != self.gradient_accumulation_steps:  # the engine's configured count wins
+            self.gradient_accumulation_steps = steps
         model._is_accelerate_prepared = True
         self._models.append(model)
         result = list(args)

@@ -238,7 +238,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         """
         if self._strategy.divides_loss_for_accumulation and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
-        self._strategy.backward(loss, **kwargs)
+        self._strategy.backward(loss, sync=self.sync_gradients, **kwargs)
 
     def _do_sync(self) -> None:
         state = self.gradient_state

@@ -14,11 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hasten.exceptions import HastenError
-
-
-class CheckpointError(HastenError, RuntimeError):
-    """A checkpoint is missing, incomplete, corrupted or does not match what is being restored."""
+from hasten.exceptions import CheckpointError  # re-exported: its home before it moved to hasten.exceptions
 
 
 def capture_rng_state(step: int) -> dict[str, Any]:

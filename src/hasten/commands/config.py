@@ -36,6 +36,14 @@ def _target(path: str | None) -> Path:
     return Path(path).expanduser() if path else default_config_file()
 
 
+def write_basic_config(mixed_precision: str = "no", save_location: str | None = None,
+                       device_count: int | None = None) -> Path | None:
+    """``hasten.config.io.write_basic_config`` (kept here, its earlier home)."""
+    from hasten.config.io import write_basic_config as write
+
+    return write(mixed_precision, save_location, device_count)
+
+
 def config_command(args: argparse.Namespace) -> int:
     """Run the questionnaire and write the file."""
     from hasten.commands.questionnaire import run_questionnaire
@@ -51,31 +59,6 @@ def config_command(args: argparse.Namespace) -> int:
         return 2
     print(f"hasten configuration saved at {path}")
     return 0
-
-
-def write_basic_config(mixed_precision: str = "no", save_location: str | None = None,
-                       device_count: int | None = None) -> Path | None:
-    """Write a configuration for this machine's devices; return its path, or ``None`` if a file exists.
-
-    Like Accelerate's ``write_basic_config``, an existing file is never overwritten.
-
-    Example:
-        >>> write_basic_config("bf16", "/tmp/h/default_config.yaml", device_count=0)  # doctest: +SKIP
-    """
-    from hasten.config.io import save_config_file
-    from hasten.config.schema import LaunchConfig
-
-    path = _target(save_location)
-    if path.exists():
-        return None
-    if device_count is None:
-        import torch
-
-        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    config = LaunchConfig(distributed_type="MULTI_GPU" if device_count > 1 else "NO",
-                          num_processes=max(device_count, 1), use_cpu=device_count == 0,
-                          mixed_precision=mixed_precision)
-    return save_config_file(config, path)
 
 
 def default_command(args: argparse.Namespace) -> int:

@@ -133,3 +133,25 @@ def save_config_file(config: LaunchConfig | Mapping[str, Any], path: str | os.Pa
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_basic_config(mixed_precision: str = "no", save_location: str | None = None,
+                       device_count: int | None = None) -> Path | None:
+    """Write a configuration for this machine's devices; return its path, or ``None`` if a file exists.
+
+    Like Accelerate's ``write_basic_config``, an existing file is never overwritten.
+
+    Example:
+        >>> write_basic_config("bf16", "/tmp/h/default_config.yaml", device_count=0)  # doctest: +SKIP
+    """
+    path = Path(save_location).expanduser() if save_location else default_config_file()
+    if path.exists():
+        return None
+    if device_count is None:
+        import torch
+
+        device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    config = LaunchConfig(distributed_type="MULTI_GPU" if device_count > 1 else "NO",
+                          num_processes=max(device_count, 1), use_cpu=device_count == 0,
+                          mixed_precision=mixed_precision)
+    return save_config_file(config, path)

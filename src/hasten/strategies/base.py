@@ -61,7 +61,8 @@ class Strategy:
         """
 
     def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
-                                     device_placement: bool = True) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+                                     device_placement: bool = True, accumulation_steps: int | None = None,
+                                     ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
         """Strategies that shard parameters wrap the model and re-point the optimizers at the new parameters.
 
         Returns the wrapped model and the (raw) optimizers to use; the facade wraps those for
@@ -103,8 +104,21 @@ class Strategy:
         """The full state dict of ``model`` (called on every process; sharded strategies gather)."""
         return (self.unwrap(model) if unwrap else model).state_dict()
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backward pass through the precision plugin (loss already divided for accumulation)."""
+    def accumulation_steps(self, requested: int) -> int:
+        """Micro-steps per optimizer step this strategy uses, given the Accelerator's ``requested`` count.
+
+        Called by the facade after ``prepare``; an engine with its own configured count (DeepSpeed)
+        returns that one, and the facade adopts it.
+        """
+        return requested
+
+    def backward(self, loss: torch.Tensor, *, sync: bool = True, **kwargs: Any) -> None:
+        """Backward pass through the precision plugin (loss already divided for accumulation).
+
+        Args:
+            loss: the loss.
+            sync: True on a synchronising micro-step (the facade's ``sync_gradients``).
+        """
         self.precision.backward(loss, **kwargs)
 
     def no_sync(self, model: nn.Module) -> Any:

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO (stages 0-3, CPU/NVMe offload) behind the ordinary Accelerator loop.
 
-This is the only hasten module that imports ``deepspeed`` (lazily, when the strategy is built).
+``deepspeed`` is imported (lazily, when the strategy is built) through ``hasten.utils.deepspeed_runtime``.
 ``accelerator.backward(loss)`` runs ``engine.backward(loss)`` and, on synchronising micro-steps,
 ``engine.step()`` (clipping, optimizer step, zero_grad, engine-driven scheduler); the prepared
 optimizer's ``step``/``zero_grad`` then do nothing. Checkpoints are the engine's own
@@ -15,73 +15,28 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import warnings
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from hasten.checkpointing import CheckpointError
 from hasten.config.plugins.deepspeed import DeepSpeedPlugin
-from hasten.exceptions import ConfigurationError, DistributedOperationError, MissingDependencyError
+from hasten.exceptions import ConfigurationError, DistributedOperationError
 from hasten.precision import Precision
 from hasten.strategies.base import Strategy
 from hasten.utils.dataclasses import DistributedType
 from hasten.utils.deepspeed import DummyOptim, DummyScheduler
+# Re-exported: these lived here before moving below the plugin (which calls them).
+from hasten.utils.deepspeed_runtime import import_deepspeed, set_z3_leaf_modules_by_name, zero3_init_context
 
 #: Checkpoint tag of the i-th model (Accelerate's folder names ``pytorch_model``, ``pytorch_model_1``...).
 MODEL_TAG = "pytorch_model"
 _HIDDEN_SIZE_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
                      "zero_optimization.stage3_param_persistence_threshold")
-
-
-def import_deepspeed(device_type: str = "cpu") -> Any:
-    """Import ``deepspeed`` with the accelerator matching hasten's device.
-
-    DeepSpeed picks its accelerator once, at import, from ``DS_ACCELERATOR`` or by probing for GPUs;
-    on a CPU run (including ``cpu=True`` on a GPU machine) it must use its "cpu" accelerator, or it
-    would place the engine on a GPU and talk NCCL to a gloo group. Setting the variable for this
-    third-party library is the one environment write hasten allows itself here.
-
-    Raises:
-        MissingDependencyError: deepspeed is not installed.
-    """
-    if device_type == "cpu" and "deepspeed" not in sys.modules:
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    try:
-        import deepspeed
-    except ImportError as exc:
-        raise MissingDependencyError("deepspeed", "DeepSpeed training (DeepSpeedPlugin)", extra="deepspeed") from exc
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    if device_type == "cpu" and get_accelerator().device_name() != "cpu":
-        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-        set_accelerator(CPU_Accelerator())  # deepspeed was imported earlier for a GPU
-    return deepspeed
-
-
-def zero3_init_context(plugin: DeepSpeedPlugin, enable: bool = False) -> Any:
-    """``deepspeed.zero.Init`` for ``plugin``'s config (models are created partitioned), or a null context."""
-    if not enable:
-        return nullcontext()
-    deepspeed = import_deepspeed("cpu" if not torch.cuda.is_available() else "cuda")
-    return deepspeed.zero.Init(config_dict_or_path=plugin.deepspeed_config)
-
-
-def set_z3_leaf_modules_by_name(model: nn.Module, class_names: Sequence[str]) -> None:
-    """Mark the modules whose class name is in ``class_names`` as ZeRO-3 leaf modules (MoE layers)."""
-    from deepspeed.utils import set_z3_leaf_modules
-
-    wanted = {name.strip() for name in class_names if name.strip()}
-    classes = list({type(m) for m in model.modules() if type(m).__name__ in wanted})
-    missing = wanted - {c.__name__ for c in classes}
-    if missing:
-        raise ConfigurationError(f"transformer_moe_cls_names names classes not found in the model: {sorted(missing)}.")
-    set_z3_leaf_modules(model, classes)
 
 
 def _ensure_process_group(device: torch.device, num_processes: int) -> None:
@@ -153,7 +108,8 @@ class DeepSpeedStrategy(Strategy):
         }
 
     def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
-                                     device_placement: bool = True) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+                                     device_placement: bool = True, accumulation_steps: int | None = None,
+                                     ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
         if self.engine is not None:
             raise ConfigurationError(
                 "This Accelerator already holds a DeepSpeed engine; DeepSpeed trains one model per Accelerator "
@@ -162,6 +118,8 @@ class DeepSpeedStrategy(Strategy):
         if len(optimizers) > 1:
             raise ConfigurationError(f"DeepSpeed drives one optimizer per model; prepare got {len(optimizers)}. "
                                      "Put the parameters in one optimizer with several param groups.")
+        if accumulation_steps is not None:
+            self.gradient_accumulation_steps = accumulation_steps
         optimizer = optimizers[0] if optimizers else None
         schedulers = self._call["schedulers"]
         scheduler = schedulers[0] if schedulers else None
@@ -224,20 +182,20 @@ class DeepSpeedStrategy(Strategy):
         return min(sizes) if plugin.is_train_batch_min else max(sizes)
 
     def _accumulation_steps(self) -> int:
-        from hasten.state import GradientState  # a higher layer: imported when preparing only
-
-        state = GradientState()
-        current = state.num_steps if state.initialized else self.gradient_accumulation_steps
+        """The config's accumulation steps ("auto": the Accelerator's); DeepSpeed's value wins a conflict."""
+        current = self.gradient_accumulation_steps
         plugin = self.deepspeed_plugin
         plugin.fill_match("gradient_accumulation_steps", must_match=False, gradient_accumulation_steps=current)
         configured = int(plugin.get_value("gradient_accumulation_steps"))
         if configured != current:
             warnings.warn(f"Gradient accumulation steps: the Accelerator has {current}, the DeepSpeed config "
                           f"{configured}; using DeepSpeed's value.", stacklevel=4)
-            if state.initialized:
-                state.plugin_kwargs["num_steps"] = configured
         self.gradient_accumulation_steps = configured
         return configured
+
+    def accumulation_steps(self, requested: int) -> int:
+        """The engine's accumulation steps once prepared (the config's value wins), else ``requested``."""
+        return self.gradient_accumulation_steps if self.engine is not None else requested
 
     def _scheduler_values(self, scheduler: DummyScheduler) -> dict[str, Any]:
         inner = scheduler.optimizer
@@ -295,14 +253,11 @@ class DeepSpeedStrategy(Strategy):
         return state if unwrap else {f"module.{k}": v for k, v in state.items()}
 
     # -------------------------------------------------------------------------------- the step
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``engine.backward(loss)``, then on a synchronising micro-step ``engine.step()``."""
+    def backward(self, loss: torch.Tensor, *, sync: bool = True, **kwargs: Any) -> None:
+        """``engine.backward(loss)``, then on a synchronising micro-step (``sync``) ``engine.step()``."""
         if self.engine is None:
             raise ConfigurationError("accelerator.backward needs the prepared DeepSpeed model: call "
                                      "`accelerator.prepare(model, optimizer, loader)` first.")
-        from hasten.state import GradientState
-
-        sync = GradientState().sync_gradients
         self.engine.set_gradient_accumulation_boundary(is_boundary=sync)
         self.engine.backward(loss, **kwargs)
         if sync:
@@ -330,8 +285,6 @@ class DeepSpeedStrategy(Strategy):
 
     def check_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                     folder: Path) -> None:
-        from hasten.checkpointing import CheckpointError
-
         for tag, engine in self._engines(models):
             sub = Path(folder) / tag
             if not sub.is_dir() or not any(sub.glob("*model_states.pt")):
@@ -344,8 +297,6 @@ class DeepSpeedStrategy(Strategy):
 
     def load_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                    folder: Path) -> None:
-        from hasten.checkpointing import CheckpointError
-
         for tag, engine in self._engines(models):
             path, _ = engine.load_checkpoint(str(folder), tag=tag)
             if path is None:

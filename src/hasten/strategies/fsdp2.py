@@ -1,6 +1,6 @@
 """Sharded training with FSDP2 (``torch.distributed.fsdp.fully_shard``) over a one-dimensional device mesh.
 
-``prepare(model, optimizer)`` shards every wrap unit (see ``_fsdp2_wrap``), then the root, and points
+``prepare(model, optimizer)`` shards every wrap unit (see ``hasten.config.plugins.fsdp_units``), then the root, and points
 the optimizer at the new (DTensor) parameters. Every rank ends up with rank 0's weights: rank 0's full
 state dict is scattered into the shards, so ranks need not build identical models, and with
 ``cpu_ram_efficient_loading`` (or a model whose parameters are on the meta device, e.g. built under
@@ -20,21 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin, ignored_module_list
-from hasten.exceptions import ConfigurationError
-from hasten.strategies._fsdp2_wrap import build_wrap_policy, checkpoint_targets, select_units
+from hasten.checkpointing import dcp as sharded
+from hasten.checkpointing import files as ckpt
+from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
+from hasten.config.plugins.fsdp_units import build_wrap_policy, checkpoint_targets, ignored_module_list, select_units
+from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.strategies.base import Strategy, unwrap_common
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-
-
-def _io() -> tuple[Any, Any, type[Exception]]:
-    """The checkpoint modules (a higher layer than strategies: imported when a checkpoint is touched)."""
-    from hasten.checkpointing import dcp, files
-    from hasten.checkpointing.rng import CheckpointError
-
-    return dcp, files, CheckpointError
 
 
 def _dtype(value: Any) -> torch.dtype | None:
@@ -131,7 +125,8 @@ class FSDP2Strategy(Strategy):
 
     # ----------------------------------------------------------------------------------- preparing
     def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
-                                     device_placement: bool = True) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+                                     device_placement: bool = True, accumulation_steps: int | None = None,
+                                     ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
         """Shard ``model`` and re-point each optimizer at the sharded parameters (same groups, same state)."""
         names = _parameter_names(model)
         foreign = [p for opt in optimizers for group in opt.param_groups for p in group["params"] if id(p) not in names]
@@ -187,7 +182,7 @@ class FSDP2Strategy(Strategy):
             model.to_empty(device="cpu" if plugin.cpu_offload else self.device)
             _restore_buffers(model, kept_buffers)
         if world > 1:
-            _io()[0].load_full_model_state(model, source)
+            sharded.load_full_model_state(model, source)
             _broadcast_buffers(model)
         return model
 
@@ -262,7 +257,7 @@ class FSDP2Strategy(Strategy):
         inner = unwrap_common(model)
         if not is_fsdp2_module(inner):
             return super().model_state_dict(model, unwrap=unwrap)
-        return _io()[0].full_model_state(inner)
+        return sharded.full_model_state(inner)
 
     # -------------------------------------------------------------------------------- checkpoints
     @property
@@ -272,7 +267,6 @@ class FSDP2Strategy(Strategy):
     def save_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                    folder: Path) -> None:
         """SHARDED_STATE_DICT: DCP folders written by every rank; FULL_STATE_DICT: gathered files from rank 0."""
-        sharded, ckpt, _ = _io()
         inner_models = [unwrap_common(m) for m in models]
         for i, model in enumerate(inner_models):
             if self._sharded_format:
@@ -293,7 +287,6 @@ class FSDP2Strategy(Strategy):
     def check_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                     folder: Path) -> None:
         """Check every model/optimizer file or DCP folder (either format loads) before anything changes."""
-        sharded, ckpt, CheckpointError = _io()
         for i, model in enumerate(models):
             path = sharded.model_dir(folder, i)
             if path.is_dir():
@@ -315,7 +308,6 @@ class FSDP2Strategy(Strategy):
     def load_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                    folder: Path) -> None:
         """Load what the checkpoint holds, whichever ``state_dict_type`` it was saved with."""
-        sharded, ckpt, _ = _io()
         inner_models = [unwrap_common(m) for m in models]
         for i, model in enumerate(inner_models):
             path = sharded.model_dir(folder, i)
@@ -418,7 +410,6 @@ def _broadcast_buffers(model: nn.Module) -> None:
 
 
 def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module:
-    CheckpointError = _io()[2]
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for model in models:
         if any(id(p) in params for p in model.parameters()):
@@ -448,8 +439,6 @@ def _fill_tied(model: nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, 
 def _check_safetensors(model: nn.Module, path: Path) -> None:
     """Keys and global shapes of a ``model.safetensors`` against the model, without reading the tensors."""
     from safetensors import safe_open
-
-    CheckpointError = _io()[2]
 
     try:
         with safe_open(str(path), framework="pt") as handle:

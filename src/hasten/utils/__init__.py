@@ -34,10 +34,10 @@ _add("hasten.ops.tree", "concatenate", "convert_to_fp32", "find_batch_size", "fi
 _add("hasten.ops.collectives", "broadcast", "broadcast_object_list", "gather", "gather_object",
      "pad_across_processes", "pad_input_tensors", "reduce")
 _add("hasten.ops.random", "set_seed", "synchronize_rng_state", "synchronize_rng_states")
-_add("hasten.utils.other", "wait_for_everyone")
+_add("hasten.state", "wait_for_everyone")
 _add("hasten.logging", "get_logger")
 _add("hasten.utils.serialization", "save_atomically")
-_add("hasten.commands.config", "write_basic_config")
+_add("hasten.config.io", "write_basic_config")
 _add("hasten.utils.memory", "find_executable_batch_size", "release_memory", "clear_device_cache",
      "should_reduce_batch_size")
 _add("hasten.tracking", "filter_trackers", "get_available_trackers")

@@ -1,4 +1,8 @@
-"""``tqdm`` that draws one progress bar per machine (on its first process) instead of one per process."""
+"""Accelerate's ``accelerate.utils.tqdm`` path; the bar itself lives in :mod:`hasten.logging` (it reads the rank).
+
+Part of the ``hasten.utils`` facade: it resolves the function lazily, so this bottom-layer package does
+not import the state layer at import time.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +10,7 @@ from typing import Any
 
 
 def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
-    """A ``tqdm.auto.tqdm`` bar, shown on the local main process only unless ``main_process_only=False``.
+    """``hasten.logging.tqdm``: a bar on each machine's first process only unless ``main_process_only=False``."""
+    from hasten.logging import tqdm as rank_aware_tqdm
 
-    Arguments are ``tqdm``'s. On the other processes the bar is created with ``disable=True``, so it
-    still iterates (and ``update``/``close`` work) but draws nothing.
-
-    Raises:
-        ValueError: a bool was passed as the first argument (the old positional ``main_process_only``
-            of Accelerate); pass ``main_process_only=...`` by keyword.
-
-    Example:
-        >>> for batch in tqdm(dataloader, desc="train"):
-        ...     ...
-    """
-    if args and isinstance(args[0], bool):
-        raise ValueError("tqdm(True/False, ...) is not supported: pass `main_process_only=` as a keyword "
-                         "argument and the iterable first, e.g. tqdm(loader, main_process_only=True).")
-    from tqdm.auto import tqdm as _tqdm
-
-    disable = kwargs.pop("disable", False)
-    if main_process_only and not disable:
-        from hasten.state import PartialState
-
-        disable = PartialState().local_process_index != 0
-    return _tqdm(*args, **kwargs, disable=disable)
+    return rank_aware_tqdm(*args, main_process_only=main_process_only, **kwargs)

@@ -17,6 +17,7 @@ from typing import Any
 
 from hasten.exceptions import ConfigurationError
 from hasten.utils.deepspeed import HfDeepSpeedConfig
+from hasten.utils.deepspeed_runtime import set_z3_leaf_modules_by_name, zero3_init_context
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -289,16 +290,12 @@ class DeepSpeedPlugin:
 
     def zero3_init_context_manager(self, enable: bool = False) -> Any:
         """``deepspeed.zero.Init`` for this config when ``enable`` (imports deepspeed), else a null context."""
-        from hasten.strategies.deepspeed import zero3_init_context  # the only module importing deepspeed
-
-        return zero3_init_context(self, enable)
+        return zero3_init_context(self.deepspeed_config, enable)
 
     def set_moe_leaf_modules(self, model: Any) -> None:
         """Mark ``transformer_moe_cls_names`` modules as ZeRO-3 leaves (imports deepspeed when set)."""
         if not self.transformer_moe_cls_names:
             return
-        from hasten.strategies.deepspeed import set_z3_leaf_modules_by_name
-
         set_z3_leaf_modules_by_name(model, str(self.transformer_moe_cls_names).split(","))
 
     def select(self, _from_accelerator_state: bool = False) -> None:

@@ -13,14 +13,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# DEFAULT_MIN_NUM_PARAMS and ignored_module_list are re-exported from here, their earlier home.
+from hasten.config.plugins.fsdp_units import DEFAULT_MIN_NUM_PARAMS, build_wrap_policy, ignored_module_list
 from hasten.exceptions import ConfigurationError
 
 #: Auto-wrap policy names (Accelerate's ``FSDP_AUTO_WRAP_POLICY``).
 AUTO_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
 #: State-dict types FSDP2 supports (FSDP1's LOCAL_STATE_DICT has no FSDP2 counterpart).
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
-#: Accelerate's default ``min_num_params`` for ``size_based_wrap``.
-DEFAULT_MIN_NUM_PARAMS = 100_000_000
 #: FSDP1 sharding strategies and the ``reshard_after_forward`` value that does the same under FSDP2.
 SHARDING_TO_RESHARD = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False,
                        "HYBRID_SHARD_ZERO2": False, "NO_SHARD": False}
@@ -224,8 +224,6 @@ class FullyShardedDataParallelPlugin:
 
     def set_auto_wrap_policy(self, model: Any) -> Callable[[Any], bool] | None:
         """The callable ``policy(module) -> bool`` this plugin's ``auto_wrap_policy`` means for ``model``."""
-        from hasten.strategies._fsdp2_wrap import build_wrap_policy
-
         return build_wrap_policy(self, model)
 
     def offload_policy(self) -> Any:
@@ -323,19 +321,5 @@ def convert_fsdp1_config(block: Mapping[str, Any]) -> tuple[dict[str, Any], list
     return out, notes
 
 
-def ignored_module_list(model: Any, ignored: Any) -> list[Any]:
-    """Resolve ``ignored_modules`` (modules, or a regex matched against module names) for ``model``."""
-    if ignored is None:
-        return []
-    if isinstance(ignored, str):
-        import re
-
-        pattern = re.compile(ignored)
-        return [module for name, module in model.named_modules() if name and pattern.fullmatch(name)]
-    if isinstance(ignored, Iterable):
-        return list(ignored)
-    raise ConfigurationError(f"ignored_modules={ignored!r} must be a list of modules or a regex of module names.")
-
-
-__all__ = ["AUTO_WRAP_POLICIES", "FullyShardedDataParallelPlugin", "STATE_DICT_TYPES", "convert_fsdp1_config",
-           "fsdp_plugin_from_launch_config", "ignored_module_list"]
+__all__ = ["AUTO_WRAP_POLICIES", "DEFAULT_MIN_NUM_PARAMS", "FullyShardedDataParallelPlugin", "STATE_DICT_TYPES",
+           "convert_fsdp1_config", "fsdp_plugin_from_launch_config", "ignored_module_list"]

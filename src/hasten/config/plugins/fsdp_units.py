@@ -1,20 +1,27 @@
 """Which sub-modules become their own FSDP2 unit: transformer-class, size-based and callable policies.
 
 A unit is a module passed to ``fully_shard`` before the root; its parameters are gathered and freed
-together, so the peak memory is one unit's full parameters rather than the whole model's.
+together, so the peak memory is one unit's full parameters rather than the whole model's. These are
+pure ``nn.Module`` walkers (no ``torch.distributed``), so they live beside the plugin that names the
+policy: the plugin (``set_auto_wrap_policy``) and the FSDP2 strategy both import them from here.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from hasten.exceptions import ConfigurationError
 
+if TYPE_CHECKING:
+    from torch import nn
+
+#: ``size_based_wrap``'s threshold when the plugin sets no ``min_num_params`` (Accelerate's default).
+DEFAULT_MIN_NUM_PARAMS = 100_000_000
+
 #: ``policy(module, unwrapped_numel) -> bool``; ``unwrapped_numel`` counts parameters not already in a chosen unit.
-UnitPolicy = Callable[[nn.Module, int], bool]
+UnitPolicy = Callable[["nn.Module", int], bool]
 
 
 def _transformer_policy(names: list[str], model: nn.Module) -> UnitPolicy:
@@ -40,8 +47,6 @@ def build_wrap_policy(plugin: Any, model: nn.Module) -> UnitPolicy | None:
     Example:
         >>> policy = build_wrap_policy(FullyShardedDataParallelPlugin(min_num_params=10), model)
     """
-    from hasten.config.plugins.fsdp import DEFAULT_MIN_NUM_PARAMS
-
     policy = plugin.auto_wrap_policy
     if policy is None or policy == "no_wrap":
         return None
@@ -97,4 +102,17 @@ def checkpoint_targets(model: nn.Module, units: list[nn.Module], ignored: Iterab
             if id(child) not in skip and any(True for _ in child.parameters())]
 
 
-__all__ = ["UnitPolicy", "build_wrap_policy", "checkpoint_targets", "select_units"]
+def ignored_module_list(model: nn.Module, ignored: Any) -> list[nn.Module]:
+    """Resolve ``ignored_modules`` (modules, or a regex matched against module names) for ``model``."""
+    if ignored is None:
+        return []
+    if isinstance(ignored, str):
+        pattern = re.compile(ignored)
+        return [module for name, module in model.named_modules() if name and pattern.fullmatch(name)]
+    if isinstance(ignored, Iterable):
+        return list(ignored)
+    raise ConfigurationError(f"ignored_modules={ignored!r} must be a list of modules or a regex of module names.")
+
+
+__all__ = ["DEFAULT_MIN_NUM_PARAMS", "UnitPolicy", "build_wrap_policy", "checkpoint_targets", "ignored_module_list",
+           "select_units"]
