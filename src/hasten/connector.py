@@ -147,27 +147,36 @@ def _deepspeed_plugin(explicit: Any, launch: Mapping[str, Any]) -> Any:
 
 def build_parts(settings: Settings, device: torch.device, distributed_type: DistributedType, num_processes: int,
                 handlers: Mapping[type, Any]) -> tuple[Precision, Strategy]:
-    """Create the precision plugin and the strategy for this process."""
-    precision = create_precision(settings.mixed_precision, device.type,
-                                 autocast_handler=handlers.get(AutocastKwargs),
-                                 scaler_handler=handlers.get(GradScalerKwargs))
+    """Create the strategy for this process and the precision plugin its engine needs.
+
+    The strategy is chosen first (DeepSpeed, FSDP2, DDP, single device), then its precision class:
+    DeepSpeed's writes the engine's fp16/bf16 blocks, FSDP2's adds the ``MixedPrecisionPolicy``,
+    the others use torch autocast (and a GradScaler for fp16).
+    """
     if settings.fsdp_plugin is not None and settings.deepspeed_plugin is not None:
         raise ConfigurationError("Both an FSDP plugin and a DeepSpeed plugin were given (arguments or launch "
                                  "configuration); choose one.")
     if settings.deepspeed_plugin is not None:
+        from hasten.precision.deepspeed import DeepSpeedPrecision
         from hasten.strategies.deepspeed import DeepSpeedStrategy  # imports deepspeed lazily
 
-        strategy: Strategy = DeepSpeedStrategy(device, precision, DistributedType.DEEPSPEED, num_processes,
+        strategy: Strategy = DeepSpeedStrategy(device, DeepSpeedPrecision(settings.mixed_precision, device.type),
+                                               DistributedType.DEEPSPEED, num_processes,
                                                plugin=settings.deepspeed_plugin,
                                                gradient_accumulation_steps=settings.gradient_accumulation_steps)
-    elif settings.fsdp_plugin is not None:
+        return strategy.precision, strategy
+    precision = create_precision(settings.mixed_precision, device.type,
+                                 autocast_handler=handlers.get(AutocastKwargs),
+                                 scaler_handler=handlers.get(GradScalerKwargs))
+    if settings.fsdp_plugin is not None:
+        from hasten.precision.fsdp import FSDPPrecision
         from hasten.strategies.fsdp2 import FSDP2Strategy
 
+        precision = FSDPPrecision(precision, getattr(settings.fsdp_plugin, "mixed_precision_policy", None))
         strategy = FSDP2Strategy(device, precision, DistributedType.FSDP, num_processes, plugin=settings.fsdp_plugin)
     elif num_processes > 1:
         strategy = DDPStrategy(device, precision, distributed_type, num_processes,
-                                         ddp_kwargs=handlers.get(DistributedDataParallelKwargs))
+                               ddp_kwargs=handlers.get(DistributedDataParallelKwargs))
     else:
         strategy = SingleDeviceStrategy(device, precision, distributed_type, num_processes)
-    # An engine that casts and scales by itself (DeepSpeed) replaces the precision plugin by plain fp32.
-    return strategy.precision, strategy
+    return precision, strategy

@@ -16,29 +16,25 @@ count (``ReduceLROnPlateau``) are never multiplied.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
+from hasten.precision import FP16Precision, Precision
 from hasten.state import AcceleratorState, GradientState
-
-
-def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    # Only the per-parameter state tensors move; hyper-parameters stay Python numbers.
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != device and key != "step":
-                state[key] = value.to(device)
+from hasten.strategies import SingleDeviceStrategy, Strategy
+from hasten.utils.dataclasses import DistributedType
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
-    """Wraps an optimizer for accumulation and loss scaling; everything else is forwarded.
+    """Wraps an optimizer for accumulation; the step itself goes through the strategy and its precision.
 
     Args:
         optimizer: the user's optimizer.
-        device_placement: move its state to the device.
-        scaler: the fp16 GradScaler, if any.
+        device_placement: whether its state was placed on the device (Accelerate's attribute).
+        scaler: the fp16 GradScaler, if any (Accelerate's attribute; the precision plugin uses it).
+        strategy: the strategy that applies the step (``accelerator.prepare`` passes it); without
+            one, a single-device strategy on the CPU whose precision uses ``scaler``.
 
     Example:
         >>> model, optimizer = accelerator.prepare(model, optimizer)
@@ -46,31 +42,20 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, device_placement: bool = True, scaler: Any = None,
-                 device: torch.device | None = None, engine_managed: bool = False) -> None:
+                 strategy: Strategy | None = None) -> None:
         self.optimizer = optimizer
         self.scaler = scaler
-        # DeepSpeed's engine steps and zeroes inside backward: step/zero_grad here must do nothing.
-        self.engine_managed = engine_managed
+        if strategy is None:  # built by hand: step through this scaler, if any
+            precision = Precision("cpu")
+            if scaler is not None:
+                precision = FP16Precision(str(getattr(scaler, "_device", "cpu")))
+                precision.scaler = scaler
+            precision.setup_optimizer(optimizer)
+            strategy = SingleDeviceStrategy(torch.device("cpu"), precision, DistributedType.NO)
+        self._strategy = strategy
         self.gradient_state = GradientState()
         self.device_placement = device_placement
         self._is_overflow = False
-        self._step_called = False
-        if scaler is not None:
-            self._install_step_flag()
-        if device_placement and device is not None:
-            _move_optimizer_state(optimizer, device)
-
-    def _install_step_flag(self) -> None:
-        # GradScaler.step calls optimizer.step only when gradients are finite: a flag on the real
-        # step tells us whether it ran, without a device sync (installed once, not per step).
-        inner = self.optimizer.step
-
-        @functools.wraps(inner)  # keeps the LR scheduler's marker, so torch does not warn on every step
-        def flagged_step(*args: Any, **kwargs: Any) -> Any:
-            self._step_called = True
-            return inner(*args, **kwargs)
-
-        self.optimizer.step = flagged_step  # type: ignore[method-assign]
 
     # Forwarded attributes -------------------------------------------------------------------------
     @property
@@ -119,26 +104,28 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     # The training step -----------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
         """Clear gradients, only on synchronising steps (accumulated gradients survive otherwise)."""
-        if self.gradient_state.sync_gradients and not self.engine_managed:
-            if set_to_none is None:
-                self.optimizer.zero_grad()
-            else:
-                self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.gradient_state.sync_gradients:
+            self._strategy.zero_grad(self.optimizer, set_to_none)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Apply the update on synchronising steps; with fp16, skip it when gradients overflowed."""
+        """Apply the update on synchronising steps; with fp16, skip it when gradients overflowed.
+
+        Returns the closure's loss when one is given (its first evaluation, as torch's optimizers do).
+        """
         if not self.gradient_state.sync_gradients:
             return None
-        if self.engine_managed:
-            self._is_overflow = bool(getattr(self.optimizer, "overflow", False))
+        if closure is None:
+            self._is_overflow = not self._strategy.optimizer_step(self.optimizer)
             return None
-        if self.scaler is None:
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        self._step_called = False
-        result = self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self._is_overflow = not self._step_called
-        return result
+        losses: list[Any] = []
+
+        def recording_closure() -> Any:
+            loss = closure()
+            losses.append(loss)
+            return loss
+
+        self._is_overflow = not self._strategy.optimizer_step(self.optimizer, recording_closure)
+        return losses[0] if losses else None
 
     @property
     def step_was_skipped(self) -> bool:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from hasten.exceptions import CheckpointError
 from hasten.state import reset_state
 
 LR = 0.1
@@ -46,6 +47,9 @@ def _rows(known_bugs: dict[str, str] | None = None) -> list:
 
 
 ROWS = _rows()
+#: DeepSpeed keeps partial gradients in its own partitioned buffers, outside its checkpoint: a save
+#: inside an accumulation window is refused clearly instead of resuming differently.
+REFUSES_MID_WINDOW_SAVE = {"deepspeed"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -153,12 +157,17 @@ def test_train_accumulate_clip_match_one_process_on_the_whole_batch(kind):
     accelerator.end_training()
 
 
-@pytest.mark.parametrize("kind", _rows({"fsdp2": "sharded save_state drops the accumulated gradients",
-                                         "deepspeed": "the engine's checkpoint drops the accumulated gradients"}))
+@pytest.mark.parametrize("kind", ROWS)
 def test_save_inside_an_accumulation_window_resumes_exactly(kind, tmp_path):
     folder = tmp_path / "mid_window"
     save_after = 2  # after the 3rd micro-step: the 2nd optimizer step is half accumulated
     accelerator, model, optimizer = _prepared(kind)
+    if kind in REFUSES_MID_WINDOW_SAVE:
+        _loop(accelerator, model, optimizer, range(save_after + 1))
+        with pytest.raises(CheckpointError, match="inside a gradient-accumulation window.*sync_gradients"):
+            accelerator.save_state(folder)
+        assert not folder.exists() and not list(tmp_path.iterdir())  # refused before anything was written
+        return
     _loop(accelerator, model, optimizer, range(MICRO_STEPS), save_after=save_after, folder=folder)
     uninterrupted = _weights(accelerator, model)
 
@@ -173,11 +182,12 @@ def test_save_inside_an_accumulation_window_resumes_exactly(kind, tmp_path):
         assert not changed, f"{kind}: resumed != uninterrupted for {changed}"
 
 
-@pytest.mark.parametrize("kind", _rows({"fsdp2": "the sharded prepare path never compiles",
-                                         "deepspeed": "the sharded prepare path never compiles"}))
+@pytest.mark.parametrize("kind", ROWS)
 def test_dynamo_backend_compiles_the_prepared_model(kind):
     accelerator, model, optimizer = _prepared(kind, dynamo_backend="eager")
-    assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule), type(model).__name__
+    # torch.compile's wrapper, or (DeepSpeed) the engine that compiled its module in place
+    assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or getattr(model, "is_compiled", False), (
+        type(model).__name__)
     plain_accelerator, plain, plain_optimizer = _prepared(kind)
     for step in range(ACCUMULATION):
         x, y = _my_batch(step)

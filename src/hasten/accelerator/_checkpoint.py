@@ -80,18 +80,20 @@ class CheckpointMixin:
             The checkpoint folder.
         """
         target = self._checkpoint_target(output_dir)
+        # Inside an accumulation window the gradients gathered so far are part of the state. They are
+        # captured first: a strategy that cannot keep them refuses here, before anything is written.
+        gradients = [] if self.sync_gradients else [self._strategy.accumulated_gradients(m) for m in self._models]
         self._start_save(target)
         staging = staging_folder(target)
-        own_models = self._strategy.saves_models_itself
-        weights = [] if own_models else [self.get_state_dict(model, unwrap=True) for model in self._models]
+        weights = self._strategy.weights_for_save(self._models)
         for hook in self._save_model_state_pre_hook.values():
             hook(self._models, weights, str(staging))
-        if self._strategy.saves_models_itself:
-            self._strategy.save_models_and_optimizers(self._models, self._raw_optimizers(), staging)
+        self._strategy.save(self._models, self._raw_optimizers(), staging, weights=weights,
+                            writer=self._writes_shared_files(), safe_serialization=safe_serialization)
         if self._writes_shared_files():
-            self._write_shared_files(staging, weights, safe_serialization)
+            self._write_shared_files(staging)
         ckpt.torch_save(capture_rng_state(self.step), staging / ckpt.RNG.format(rank=self.process_index))
-        self._save_accumulated_gradients(staging)
+        self._save_accumulated_gradients(staging, gradients)
         for hook in SAVE_STAGE_HOOKS:
             hook("before_publish", staging)
         self.wait_for_everyone()
@@ -104,26 +106,20 @@ class CheckpointMixin:
         self.project_configuration.iteration += 1
         return target
 
-    def _save_accumulated_gradients(self, folder: Path) -> None:
-        # Saved inside an accumulation window: the gradients gathered so far are part of the state
-        # (each process's own under no_sync), or the next optimizer step after resuming would differ.
-        if self.sync_gradients or self._strategy.saves_models_itself:
-            return
-        for i, model in enumerate(self._models):
-            path = folder / ckpt.GRADIENTS.format(suffix=ckpt.suffix(i), rank=self.process_index)
-            ckpt.save_gradients(self.unwrap_model(model), path)
+    def _save_accumulated_gradients(self, folder: Path, gradients: list[dict[str, torch.Tensor]]) -> None:
+        # Each process's own (they differ under no_sync), or the next optimizer step after resuming would differ.
+        for i, grads in enumerate(gradients):
+            if grads:
+                path = folder / ckpt.GRADIENTS.format(suffix=ckpt.suffix(i), rank=self.process_index)
+                ckpt.save_gradient_tensors(grads, path)
 
     def _writes_shared_files(self) -> bool:
         if self.project_configuration.save_on_each_node:
             return self.is_local_main_process
         return self.is_main_process
 
-    def _write_shared_files(self, folder: Path, weights: list[dict[str, torch.Tensor]], safe: bool) -> None:
-        for i, state in enumerate(weights):
-            if state:  # a pre-hook may take over saving by emptying it
-                ckpt.save_model_weights(state, folder, i, safe)
-        for i, optimizer in enumerate([] if self._strategy.saves_models_itself else self._optimizers):
-            ckpt.torch_save(optimizer.state_dict(), folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
+    def _write_shared_files(self, folder: Path) -> None:
+        """What is not model or optimizer state (the strategy writes those): schedulers, loaders, scaler, objects."""
         for i, scheduler in enumerate(self._schedulers):
             ckpt.torch_save(scheduler.state_dict(), folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i)))
         for i, loader in enumerate(self._dataloaders):
@@ -183,15 +179,9 @@ class CheckpointMixin:
         raise CheckpointError(f"load_state(map_location={value!r}): use None, 'cpu' or 'on_device'.")
 
     def _read_checkpoint(self, folder: Path, strict: bool, map_location: Any) -> dict[str, Any]:
-        plan: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "loaders": [], "custom": []}
-        if self._strategy.saves_models_itself:
-            self._strategy.check_models_and_optimizers(self._models, self._raw_optimizers(), folder)
-        for i, model in enumerate([] if self._strategy.saves_models_itself else self._models):
-            path, weights = ckpt.read_model_weights(folder, i)
-            ckpt.check_model_weights(self.unwrap_model(model), weights, path, strict=strict)
-            plan["models"].append(weights)
-        for i, _ in enumerate([] if self._strategy.saves_models_itself else self._optimizers):
-            plan["optimizers"].append(ckpt.torch_load(folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), map_location))
+        plan: dict[str, Any] = {"schedulers": [], "loaders": [], "custom": []}
+        plan["strategy"] = self._strategy.check(self._models, self._raw_optimizers(), folder, strict=strict,
+                                                map_location=map_location)
         for i, _ in enumerate(self._schedulers):
             plan["schedulers"].append(ckpt.torch_load(folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i))))
         saved_loaders = ckpt.count_files(folder, "dataloader_state")
@@ -224,14 +214,9 @@ class CheckpointMixin:
         return [getattr(opt, "optimizer", opt) for opt in self._optimizers]
 
     def _apply_checkpoint(self, plan: dict[str, Any], strict: bool, folder: Path) -> None:
-        if self._strategy.saves_models_itself:
-            self._strategy.load_models_and_optimizers(self._models, self._raw_optimizers(), folder)
-        for model, weights in zip(self._models, plan["models"]):
-            ckpt.load_model_weights(self.unwrap_model(model), weights, strict=strict)
+        self._strategy.load(self._models, self._raw_optimizers(), folder, plan["strategy"], strict=strict)
         if "scaler" in plan:
             self._precision.load_state_dict(plan["scaler"])
-        for optimizer, state in zip(self._optimizers, plan["optimizers"]):
-            optimizer.load_state_dict(state)
         for scheduler, state in zip(self._schedulers, plan["schedulers"]):
             scheduler.load_state_dict(state)
         for loader, state in zip(self._dataloaders, plan["loaders"]):
@@ -240,7 +225,7 @@ class CheckpointMixin:
             obj.load_state_dict(state)
         for model, saved in zip(self._models, plan["gradients"]):
             if saved is not None:
-                ckpt.restore_gradients(self.unwrap_model(model), saved[1], saved[0])
+                self._strategy.restore_accumulated_gradients(model, saved[1], saved[0])
         path, rng = plan["rng"]
         self.step = restore_rng_state(rng, path)
         self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)

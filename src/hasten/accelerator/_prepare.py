@@ -40,48 +40,70 @@ class PrepareMixin:
         elif len(device_placement) != len(args):
             raise ConfigurationError(f"prepare got {len(args)} objects but device_placement has "
                                      f"{len(device_placement)} entries; give one bool per object.")
-        if self._strategy.needs_model_and_optimizer_together:
-            args = self._prepare_model_with_optimizers(args, device_placement)
+        args = self._prepare_models_and_optimizers(args, device_placement)
         first = [self._prepare_first_pass(obj, placement) for obj, placement in zip(args, device_placement)]
         result = tuple(self._prepare_scheduler_pass(obj) for obj in first)
         return result[0] if len(result) == 1 else result
 
-    def _prepare_model_with_optimizers(self, args: tuple[Any, ...], placements: list[Any]) -> tuple[Any, ...]:
-        """Sharding strategies replace parameters, so the optimizers must be re-pointed in the same call."""
-        models = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)
-                  and not getattr(obj, "_is_accelerate_prepared", False)]
-        optimizers = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)
-                      and not isinstance(obj, AcceleratedOptimizer)]
+    def _prepare_models_and_optimizers(self, args: tuple[Any, ...], placements: list[Any]) -> tuple[Any, ...]:
+        """The call's models and optimizers go to the strategy together (sharding re-points optimizers)."""
+        models = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and not self._already_prepared(obj)]
         if not models:
             return args
-        if len(models) > 1:
-            raise ConfigurationError(f"{type(self._strategy).__name__} prepares one model per Accelerator; "
-                                     f"prepare got {len(models)} models.")
-        if not optimizers and any(p.requires_grad for p in args[models[0]].parameters()):
-            raise ConfigurationError(f"{type(self._strategy).__name__} needs the model and its optimizer in the same "
-                                     "call: `model, optimizer = accelerator.prepare(model, optimizer)`.")
-        index = models[0]
-        placement = self.device_placement if placements[index] is None else placements[index]
+        optimizers = [i for i, obj in enumerate(args) if isinstance(obj, torch.optim.Optimizer)
+                      and not isinstance(obj, AcceleratedOptimizer)]
         self._strategy.observe_prepare_call(args, split_batches=self.split_batches)
-        model, new_optimizers = self._strategy.prepare_model_and_optimizers(
-            args[index], [args[i] for i in optimizers], device_placement=placement,
+        prepared = self._prepare_models([args[i] for i in models], [placements[i] for i in models],
+                                        [args[i] for i in optimizers])
+        result = list(args)
+        for i, model in zip(models, prepared[0]):
+            result[i] = model
+        for i, optimizer in zip(optimizers, prepared[1]):
+            result[i] = self.prepare_optimizer(optimizer, device_placement=placements[i])
+        return tuple(result)
+
+    def _already_prepared(self, model: nn.Module) -> bool:
+        if getattr(model, "_is_accelerate_prepared", False) or self._strategy.is_wrapped(model):
+            if model not in self._models:
+                self._models.append(model)
+            return True
+        return False
+
+    def _prepare_models(self, models: list[nn.Module], placements: list[bool | None],
+                        optimizers: list[torch.optim.Optimizer], evaluation_mode: bool = False,
+                        ) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        """One strategy call for the models (and their optimizers), then ``torch.compile`` once, after it."""
+        resolved = []
+        for model, placement in zip(models, placements):
+            placement = self.device_placement if placement is None else placement
+            if _multi_device_map(model):
+                if self.use_distributed:
+                    raise ConfigurationError(
+                        "You can't train a model that has been loaded with `device_map='auto'` in any distributed "
+                        "mode: it spans several devices. HINT: load it with `device_map={'': "
+                        "accelerator.local_process_index}` (one full copy per process), or shard it with "
+                        "FSDP2/DeepSpeed.")
+                placement = False  # its layers already sit where the map put them
+            resolved.append(placement)
+        prepared, new_optimizers = self._strategy.prepare(
+            models, optimizers, device_placement=resolved, evaluation_mode=evaluation_mode,
             accumulation_steps=self.gradient_accumulation_steps)
         steps = self._strategy.accumulation_steps(self.gradient_accumulation_steps)
         if steps != self.gradient_accumulation_steps:  # the engine's configured count wins
             self.gradient_accumulation_steps = steps
-        model._is_accelerate_prepared = True
-        self._models.append(model)
-        result = list(args)
-        result[index] = model
-        for i, optimizer in zip(optimizers, new_optimizers):
-            result[i] = self.prepare_optimizer(optimizer, device_placement=False)
-        return tuple(result)
+        compiled = []
+        for model in prepared:
+            if self._settings.dynamo_backend != "NO":
+                model = self._strategy.compile(model, self._settings.dynamo_backend.lower(),
+                                               dict(self._settings.dynamo_kwargs))
+            model._is_accelerate_prepared = True
+            self._models.append(model)
+            compiled.append(model)
+        return compiled, new_optimizers
 
     def _prepare_first_pass(self, obj: Any, placement: bool | None) -> Any:
         if isinstance(obj, torch.utils.data.DataLoader):
             return self.prepare_data_loader(obj, device_placement=placement)
-        if isinstance(obj, nn.Module):
-            return self.prepare_model(obj, device_placement=placement)
         if isinstance(obj, torch.optim.Optimizer):
             return self.prepare_optimizer(obj, device_placement=placement)
         return obj
@@ -95,35 +117,16 @@ class PrepareMixin:
                       evaluation_mode: bool = False) -> nn.Module:
         """Place ``model`` on the device, add mixed precision, wrap it for the strategy, compile it if asked.
 
-        A model already prepared (or already wrapped in DDP) is returned as it is.
+        A model already prepared (or already wrapped by the strategy) is returned as it is.
 
         Args:
             model: the model.
             device_placement: move it to ``accelerator.device`` (default: the Accelerator's setting).
-            evaluation_mode: for inference only: no DDP wrapper.
+            evaluation_mode: for inference only: no DDP/FSDP2/DeepSpeed wrapper.
         """
-        if getattr(model, "_is_accelerate_prepared", False) or self._strategy.is_wrapped(model):
-            if model not in self._models:
-                self._models.append(model)
+        if self._already_prepared(model):
             return model
-        placement = self.device_placement if device_placement is None else device_placement
-        if _multi_device_map(model):
-            if self.use_distributed:
-                raise ConfigurationError(
-                    "You can't train a model that has been loaded with `device_map='auto'` in any distributed mode: "
-                    "it spans several devices. HINT: load it with `device_map={'': accelerator.local_process_index}` "
-                    "(one full copy per process), or shard it with FSDP2/DeepSpeed.")
-            placement = False  # its layers already sit where the map put them
-        if placement:
-            model = model.to(self.device)
-        self._strategy.apply_precision(model)
-        wrapped = model if evaluation_mode else self._strategy.wrap_model(model)
-        if self._settings.dynamo_backend != "NO":
-            wrapped = torch.compile(wrapped, backend=self._settings.dynamo_backend.lower(),
-                                    **dict(self._settings.dynamo_kwargs))
-        wrapped._is_accelerate_prepared = True
-        self._models.append(wrapped)
-        return wrapped
+        return self._prepare_models([model], [device_placement], [], evaluation_mode=evaluation_mode)[0][0]
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> AcceleratedOptimizer:
         """Wrap ``optimizer`` so it follows gradient accumulation and fp16 loss scaling."""
@@ -132,8 +135,11 @@ class PrepareMixin:
                 self._optimizers.append(optimizer)
             return optimizer
         placement = self.device_placement if device_placement is None else device_placement
+        if placement:
+            self._strategy.place_optimizer_state(optimizer)
+        self._precision.setup_optimizer(optimizer)
         prepared = AcceleratedOptimizer(optimizer, device_placement=placement, scaler=self._precision.scaler,
-                                        device=self.device, engine_managed=self._strategy.engine_steps_optimizer)
+                                        strategy=self._strategy)
         self._optimizers.append(prepared)
         return prepared
 

@@ -21,13 +21,14 @@ from hasten.config import env as hasten_env
 from hasten.connector import build_parts, resolve_settings
 from hasten.exceptions import ConfigurationError
 from hasten.precision import detach_autocast_forward
-from hasten.state import AcceleratorState, GradientState, add_before_destroy_hook
+from hasten.state import AcceleratorState, GradientState
 from hasten.tracking import filter_trackers
 from hasten.utils.dataclasses import (
     PROFILE_PATTERN_NAME,
     AutocastKwargs,
     DataLoaderConfiguration,
     DistributedDataParallelKwargs,
+    DistributedType,
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -109,7 +110,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)
         self.state.distributed_type = self._strategy.distributed_type
-        add_before_destroy_hook(self._strategy.release)
+        self._strategy.setup()
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
             num_steps=self._settings.gradient_accumulation_steps, adjust_scheduler=False)
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
@@ -223,7 +224,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
 
     @property
     def is_fsdp2(self) -> bool:
-        return self._strategy.is_fsdp2
+        """True when the model is sharded with FSDP2 (hasten's only FSDP)."""
+        return self._strategy.distributed_type == DistributedType.FSDP
 
     @property
     def deepspeed_plugin(self) -> Any:
@@ -236,9 +238,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         Example:
             >>> accelerator.backward(loss)
         """
-        if self._strategy.divides_loss_for_accumulation and self.gradient_accumulation_steps > 1:
-            loss = loss / self.gradient_accumulation_steps
-        self._strategy.backward(loss, sync=self.sync_gradients, **kwargs)
+        self._strategy.backward(loss, sync=self.sync_gradients, accumulation_steps=self.gradient_accumulation_steps,
+                                **kwargs)
 
     def _do_sync(self) -> None:
         state = self.gradient_state
@@ -294,7 +295,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
             return
         optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else self._optimizers
         for opt in optimizers:
-            self._precision.unscale_(getattr(opt, "optimizer", opt))
+            self._strategy.unscale_(getattr(opt, "optimizer", opt))
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """Clip gradients by total norm after unscaling; returns the total norm before clipping.
@@ -347,6 +348,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
     def end_training(self) -> None:
         """Finish the trackers and tear down the process group (call it on every process at the end)."""
         self._finish_trackers()
+        self._strategy.teardown()
         self.state.destroy_process_group()
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:

@@ -154,12 +154,17 @@ def count_files(folder: Path, prefix: str) -> int:
 def save_gradients(model: nn.Module, path: Path) -> bool:
     """Write the gradients accumulated so far (a save in the middle of an accumulation window)."""
     grads = {name: p.grad.detach().cpu().contiguous() for name, p in model.named_parameters() if p.grad is not None}
+    return save_gradient_tensors(grads, path)
+
+
+def save_gradient_tensors(grads: Mapping[str, torch.Tensor], path: Path) -> bool:
+    """Write ``name -> gradient`` tensors (CPU, contiguous) atomically; False when there are none."""
     if not grads:
         return False
     from safetensors.torch import save_file
 
     with atomic_path(path) as tmp:
-        save_file(grads, str(tmp), metadata={"format": "pt"})
+        save_file(dict(grads), str(tmp), metadata={"format": "pt"})
     return True
 
 

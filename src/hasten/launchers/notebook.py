@@ -58,13 +58,9 @@ def _refuse_unsafe_fork() -> None:
 
 
 def _end_process_group() -> None:
-    import torch.distributed as dist
+    from hasten.environments.process_group import end_group
 
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.barrier()  # gloo may abort a rank whose peer tears down first
-        finally:
-            dist.destroy_process_group()
+    end_group(barrier=True)  # gloo may abort a rank whose peer tears down first
 
 
 def _rank_main(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -185,6 +181,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
 def _debug_rank(rank: int, function: Callable[..., Any], args: tuple[Any, ...], world: int, folder: str) -> None:
     import torch.distributed as dist
 
+    from hasten.environments.process_group import start_group
     from hasten.state import reset_state
 
     reset_state()  # the rank must not reuse the parent's view of the run
@@ -192,8 +189,7 @@ def _debug_rank(rank: int, function: Callable[..., Any], args: tuple[Any, ...], 
                       **launch_config_to_env({"use_cpu": True, "mixed_precision": "no",
                                               "distributed_type": "MULTI_CPU"}))
     store = dist.FileStore(os.path.join(folder, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=5))
+    start_group(backend="gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
     try:
         function(*args)
     except BaseException:

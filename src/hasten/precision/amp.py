@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import weakref
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -57,12 +59,42 @@ class FP16Precision(_AutocastPrecision):
                 f"mixed_precision='fp16' on device type {device_type!r} needs torch.amp.GradScaler({device_type!r}), "
                 f"which this torch ({torch.__version__}) does not provide: {exc}. HINT: use mixed_precision='bf16' "
                 "or 'no' here.") from exc
+        # optimizer -> [ran]: set by a flag on the optimizer's own step, which GradScaler.step calls only
+        # when the gradients are finite; this tells a skipped step without a device sync.
+        self._stepped: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[bool]] = weakref.WeakKeyDictionary()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.scaler.scale(loss).backward(**kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.unscale_(optimizer)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Install the step flag once (not per step) on ``optimizer.step``."""
+        if optimizer in self._stepped:
+            return
+        flag = [False]
+        inner = optimizer.step
+
+        @functools.wraps(inner)  # keeps the LR scheduler's marker, so torch does not warn on every step
+        def flagged_step(*args: Any, **kwargs: Any) -> Any:
+            flag[0] = True
+            return inner(*args, **kwargs)
+
+        optimizer.step = flagged_step  # type: ignore[method-assign]
+        self._stepped[optimizer] = flag
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        """``scaler.step`` then ``scaler.update``; False when the gradients overflowed and the step was skipped."""
+        self.setup_optimizer(optimizer)
+        flag = self._stepped[optimizer]
+        flag[0] = False
+        if closure is None:
+            self.scaler.step(optimizer)
+        else:
+            self.scaler.step(optimizer, closure)
+        self.scaler.update()
+        return flag[0]
 
     def state_dict(self) -> dict[str, Any] | None:
         return self.scaler.state_dict()

@@ -47,6 +47,17 @@ class Precision:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients of ``optimizer`` by the loss scale (once per step)."""
 
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Prepare ``optimizer`` for :meth:`optimizer_step` (called once, when it is prepared)."""
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        """Apply the update; returns False when it was skipped (a scaled step whose gradients overflowed)."""
+        if closure is None:
+            optimizer.step()
+        else:
+            optimizer.step(closure)
+        return True
+
     def state_dict(self) -> dict[str, Any] | None:
         """The scaler state to checkpoint (None when there is none)."""
         return None

@@ -10,31 +10,27 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.checkpointing import files as ckpt
+from hasten.environments import process_group
 from hasten.precision import Precision
 from hasten.utils.dataclasses import DistributedType
 
 
 class Strategy:
-    """Replication/sharding behaviour behind the ``Accelerator`` facade.
+    """How models are replicated or sharded: the whole model path behind the ``Accelerator`` facade.
+
+    The facade calls one method per concern and never asks what a strategy is: :meth:`prepare` (models
+    and optimizers together), :meth:`backward`, :meth:`optimizer_step`, :meth:`no_sync`, clipping,
+    :meth:`save`/:meth:`check`/:meth:`load` of model and optimizer state, :meth:`teardown`. The base
+    class is the single-device behaviour; a strategy overrides what its engine does differently, and
+    applies or clearly refuses every setting it is given.
 
     Args:
         device: the torch device of this process.
-        precision: the precision plugin.
+        precision: the precision plugin (chosen for this strategy by the connector).
         distributed_type: Accelerate's reporting value for this run.
         num_processes: processes in the run.
     """
-
-    #: True when ``Accelerator.backward`` divides the loss by the accumulation steps before backward
-    #: (DeepSpeed scales by itself).
-    divides_loss_for_accumulation = True
-    #: True when model and optimizer must be prepared together (FSDP2, DeepSpeed).
-    needs_model_and_optimizer_together = False
-    #: True when save_state/load_state must hand models and optimizers to this strategy (sharded formats).
-    saves_models_itself = False
-    #: True when the engine applies the optimizer step (and zero_grad) itself inside backward (DeepSpeed).
-    engine_steps_optimizer = False
-    #: Accelerate's ``accelerator.is_fsdp2``.
-    is_fsdp2 = False
 
     def __init__(self, device: torch.device, precision: Precision, distributed_type: DistributedType,
                  num_processes: int = 1) -> None:
@@ -42,6 +38,17 @@ class Strategy:
         self.precision = precision
         self.distributed_type = distributed_type
         self.num_processes = num_processes
+        self._owns_group = False
+
+    # ------------------------------------------------------------------------------ set-up, teardown
+    def setup(self) -> None:
+        """Register :meth:`release` to run before the process group ends (the facade calls this once)."""
+        process_group.add_before_end_hook(self.release)
+
+    def _ensure_group(self, backend: str | None = None) -> None:
+        """Adopt the run's process group, or start (and own) a private one-rank group for one process."""
+        if process_group.ensure_group(self.device, self.num_processes, backend):
+            self._owns_group = True
 
     def release(self) -> None:
         """Drop what ties prepared models to the process group, before the group is destroyed.
@@ -49,44 +56,70 @@ class Strategy:
         Called by ``end_training`` and at interpreter exit. Default: nothing to release.
         """
 
-    def apply_precision(self, model: nn.Module) -> None:
-        """Give the model's forward this run's mixed precision (autocast + fp32 outputs by default)."""
-        if self.precision.native_amp:
-            self.precision.wrap_forward(model)
+    def teardown(self) -> None:
+        """Release the models' ties to the group, and end the private group this strategy started."""
+        self.release()
+        if self._owns_group:
+            self._owns_group = False
+            process_group.end_group()
 
+    # ------------------------------------------------------------------------------------- prepare
     def observe_prepare_call(self, objects: Sequence[Any], *, split_batches: bool = False) -> None:
-        """See every object of a ``prepare`` call before its model is prepared (default: nothing).
+        """See every object of a ``prepare`` call before its models are prepared (default: nothing).
 
         DeepSpeed reads the data loaders' batch sizes and the schedulers here to fill its "auto" config.
         """
 
-    def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
-                                     device_placement: bool = True, accumulation_steps: int | None = None,
-                                     ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
-        """Strategies that shard parameters wrap the model and re-point the optimizers at the new parameters.
+    def prepare(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
+                device_placement: Sequence[bool], evaluation_mode: bool = False,
+                accumulation_steps: int | None = None) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        """Prepare the models of one ``prepare`` call together with its optimizers.
 
-        Returns the wrapped model and the (raw) optimizers to use; the facade wraps those for
-        accumulation. Only called when ``needs_model_and_optimizer_together``.
+        Base: place each model, give its forward this run's precision, wrap it (:meth:`wrap_model`);
+        the optimizers are returned as they are. Sharding strategies replace parameters and re-point
+        the optimizers at them, or hand both to their engine.
+
+        Args:
+            models: the models, not yet prepared.
+            optimizers: the raw optimizers of the same call.
+            device_placement: per model, whether to move it to the device.
+            evaluation_mode: for inference only (no wrapper).
+            accumulation_steps: the Accelerator's gradient accumulation steps.
+
+        Returns:
+            The prepared models and the (raw) optimizers to use, in the same order.
         """
-        if device_placement:
-            model = model.to(self.device)
-        self.apply_precision(model)
-        return self.wrap_model(model), optimizers
+        prepared = []
+        for model, placement in zip(models, device_placement):
+            if placement:
+                model = model.to(self.device)
+            self.apply_precision(model)
+            prepared.append(model if evaluation_mode else self.wrap_model(model))
+        return prepared, optimizers
 
-    def save_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                                   folder: Path) -> None:
-        """Write model and optimizer state into ``folder`` (every process calls it; sharded strategies only)."""
-        raise NotImplementedError(f"{type(self).__name__} saves models through the common files")
+    def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move the optimizer's per-parameter state to this process's device (``device_placement``)."""
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device != self.device and key != "step":
+                    state[key] = value.to(self.device)
 
-    def check_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                                    folder: Path) -> None:
-        """Raise before anything is loaded if ``folder`` cannot be loaded into these models/optimizers."""
-        raise NotImplementedError(f"{type(self).__name__} loads models through the common files")
+    def compile(self, model: nn.Module, backend: str, options: dict[str, Any]) -> nn.Module:
+        """``torch.compile`` the prepared model (the facade calls it once, after :meth:`prepare`)."""
+        return torch.compile(model, backend=backend, **options)
 
-    def load_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                                   folder: Path) -> None:
-        """Read what :meth:`save_models_and_optimizers` wrote (every process calls it)."""
-        raise NotImplementedError(f"{type(self).__name__} loads models through the common files")
+    def accumulation_steps(self, requested: int) -> int:
+        """Micro-steps per optimizer step this strategy uses, given the Accelerator's ``requested`` count.
+
+        Called by the facade after ``prepare``; an engine with its own configured count (DeepSpeed)
+        returns that one, and the facade adopts it.
+        """
+        return requested
+
+    def apply_precision(self, model: nn.Module) -> None:
+        """Give the model's forward this run's mixed precision (autocast + fp32 outputs by default)."""
+        if self.precision.native_amp:
+            self.precision.wrap_forward(model)
 
     def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
         """Wrap an already placed model for this strategy (the single-device strategy keeps it)."""
@@ -104,22 +137,35 @@ class Strategy:
         """The full state dict of ``model`` (called on every process; sharded strategies gather)."""
         return (self.unwrap(model) if unwrap else model).state_dict()
 
-    def accumulation_steps(self, requested: int) -> int:
-        """Micro-steps per optimizer step this strategy uses, given the Accelerator's ``requested`` count.
-
-        Called by the facade after ``prepare``; an engine with its own configured count (DeepSpeed)
-        returns that one, and the facade adopts it.
-        """
-        return requested
-
-    def backward(self, loss: torch.Tensor, *, sync: bool = True, **kwargs: Any) -> None:
-        """Backward pass through the precision plugin (loss already divided for accumulation).
+    # ------------------------------------------------------------------------------------ the step
+    def backward(self, loss: torch.Tensor, *, sync: bool = True, accumulation_steps: int = 1, **kwargs: Any) -> None:
+        """Backward pass through the precision plugin.
 
         Args:
-            loss: the loss.
+            loss: the micro-batch's loss; divided here by ``accumulation_steps`` (when above 1) so the
+                accumulated gradient is the mean over the window.
             sync: True on a synchronising micro-step (the facade's ``sync_gradients``).
+            accumulation_steps: micro-steps per optimizer step.
+            **kwargs: passed to ``Tensor.backward``.
         """
+        if accumulation_steps > 1:
+            loss = loss / accumulation_steps
         self.precision.backward(loss, **kwargs)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        """Apply the update through the precision; False when it was skipped (fp16 overflow)."""
+        return self.precision.optimizer_step(optimizer, closure)
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool | None = None) -> None:
+        """Clear the optimizer's gradients (after a synchronising step)."""
+        if set_to_none is None:
+            optimizer.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the loss scale (before clipping)."""
+        self.precision.unscale_(optimizer)
 
     def no_sync(self, model: nn.Module) -> Any:
         """Context in which backward passes do not synchronise gradients."""
@@ -137,6 +183,68 @@ class Strategy:
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         """Clip gradients (already unscaled) element-wise."""
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def weights_for_save(self, models: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+        """The full weights ``save`` will write, shown to the save pre-hooks first (which may edit them).
+
+        Every process calls it. Strategies that write their own (sharded) format return ``[]``.
+        """
+        return [self.model_state_dict(model) for model in models]
+
+    def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True) -> None:
+        """Write model and optimizer state into ``folder`` (every process calls it).
+
+        Base: the process that writes the shared files (``writer``) saves ``model{_i}.safetensors``
+        (or ``pytorch_model{_i}.bin``) from ``weights`` and ``optimizer{_i}.bin``. A state a pre-hook
+        emptied is not written (the hook saved it).
+        """
+        if not writer:
+            return
+        for i, state in enumerate(weights):
+            if state:
+                ckpt.save_model_weights(state, folder, i, safe_serialization)
+        for i, optimizer in enumerate(optimizers):
+            ckpt.torch_save(optimizer.state_dict(), folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
+
+    def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+              strict: bool = True, map_location: Any = "cpu") -> Any:
+        """Read and check what :meth:`save` wrote, before anything is loaded; returns it for :meth:`load`.
+
+        Raises:
+            CheckpointError: a missing or damaged file, or weights that do not match the model.
+        """
+        weights = []
+        for i, model in enumerate(models):
+            path, state = ckpt.read_model_weights(folder, i)
+            ckpt.check_model_weights(self.unwrap(model), state, path, strict=strict)
+            weights.append(state)
+        states = [ckpt.torch_load(folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), map_location)
+                  for i, _ in enumerate(optimizers)]
+        return weights, states
+
+    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, checked: Any, *,
+             strict: bool = True) -> None:
+        """Load what :meth:`check` returned into the models and optimizers (every process calls it)."""
+        weights, states = checked
+        for model, state in zip(models, weights):
+            ckpt.load_model_weights(self.unwrap(model), state, strict=strict)
+        for optimizer, state in zip(optimizers, states):
+            optimizer.load_state_dict(state)
+
+    def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This process's gradients gathered so far in an accumulation window (a save mid-window).
+
+        Raises:
+            CheckpointError: the strategy cannot capture them (the save is refused before anything is written).
+        """
+        return {name: p.grad.detach().cpu().contiguous() for name, p in self.unwrap(model).named_parameters()
+                if p.grad is not None}
+
+    def restore_accumulated_gradients(self, model: nn.Module, grads: dict[str, torch.Tensor], path: Path) -> None:
+        """Put back what :meth:`accumulated_gradients` captured (``path`` names the file in errors)."""
+        ckpt.restore_gradients(self.unwrap(model), grads, path)
 
 
 class SingleDeviceStrategy(Strategy):

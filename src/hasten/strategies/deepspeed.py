@@ -14,7 +14,6 @@ hasten hands DeepSpeed the process group it already runs on, so DeepSpeed's worl
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -25,11 +24,14 @@ from torch import nn
 
 from hasten.checkpointing import CheckpointError
 from hasten.config.plugins.deepspeed import DeepSpeedPlugin
-from hasten.exceptions import ConfigurationError, DistributedOperationError
+from hasten.environments import process_group
+from hasten.exceptions import ConfigurationError
 from hasten.precision import Precision
+from hasten.precision.deepspeed import DeepSpeedPrecision
 from hasten.strategies.base import Strategy
 from hasten.utils.dataclasses import DistributedType
 from hasten.utils.deepspeed import DummyOptim, DummyScheduler
+
 # Re-exported: these lived here before moving below the plugin (which calls them).
 from hasten.utils.deepspeed_runtime import import_deepspeed, set_z3_leaf_modules_by_name, zero3_init_context
 
@@ -39,54 +41,30 @@ _HIDDEN_SIZE_KEYS = ("zero_optimization.reduce_bucket_size", "zero_optimization.
                      "zero_optimization.stage3_param_persistence_threshold")
 
 
-def _ensure_process_group(device: torch.device, num_processes: int) -> None:
-    """DeepSpeed needs torch.distributed; reuse hasten's group, or open a 1-rank one for a single process."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        if num_processes != 1:
-            raise DistributedOperationError(f"DeepSpeed: {num_processes} processes expected but torch.distributed is "
-                                            "not initialised; start the run with `hasten launch`.")
-        # A private in-memory store: no port, nothing to clean up.
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
-                                world_size=1)
-    # deepspeed.initialize asserts torchrun's variables; a plain `python script.py` run has none.
-    for key, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", 0 if num_processes == 1 else None),
-                       ("WORLD_SIZE", dist.get_world_size())):
-        if value is not None:
-            os.environ.setdefault(key, str(value))
-    if dist.get_world_size() != num_processes:
-        raise DistributedOperationError(f"DeepSpeed would see {dist.get_world_size()} processes but hasten counts "
-                                        f"{num_processes}; initialise one process group for the whole run.")
-
-
 class DeepSpeedStrategy(Strategy):
     """ZeRO data parallelism through ``deepspeed.initialize``.
 
     Args:
         device: this process's device.
-        precision: the Accelerator's precision; its mode goes into the DeepSpeed config (the engine
-            casts and scales itself, so hasten's autocast and GradScaler are not used).
+        precision: a :class:`DeepSpeedPrecision` (any other precision is converted to one): it writes
+            the mode into the DeepSpeed config, and the engine casts and scales itself.
         distributed_type: ``DistributedType.DEEPSPEED``.
         num_processes: processes in the run (DeepSpeed's world size).
         plugin: the :class:`DeepSpeedPlugin`.
         gradient_accumulation_steps: the Accelerator's accumulation steps (fills ``"auto"``).
     """
 
-    divides_loss_for_accumulation = False  # engine.backward divides by the config's accumulation steps
-    needs_model_and_optimizer_together = True
-    saves_models_itself = True
-    engine_steps_optimizer = True
-
     def __init__(self, device: torch.device, precision: Precision, distributed_type: DistributedType,
                  num_processes: int = 1, *, plugin: DeepSpeedPlugin, gradient_accumulation_steps: int = 1) -> None:
         if not isinstance(plugin, DeepSpeedPlugin):
             raise ConfigurationError(f"deepspeed_plugin must be a DeepSpeedPlugin, got {type(plugin).__name__}.")
-        super().__init__(device, Precision(device.type), distributed_type, num_processes)
+        if not isinstance(precision, DeepSpeedPrecision):
+            precision = DeepSpeedPrecision(precision.mixed_precision, device.type)
+        super().__init__(device, precision, distributed_type, num_processes)
         self.mixed_precision = precision.mixed_precision
         self.deepspeed_plugin = plugin
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        plugin.set_mixed_precision(self.mixed_precision)
+        precision.apply(plugin)
         self.deepspeed = import_deepspeed(device.type)
         self.engine: Any = None
         self.deepspeed_config: dict[str, Any] | None = None
@@ -107,14 +85,26 @@ class DeepSpeedStrategy(Strategy):
             "split_batches": split_batches,
         }
 
-    def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
-                                     device_placement: bool = True, accumulation_steps: int | None = None,
-                                     ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    def prepare(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
+                device_placement: Sequence[bool], evaluation_mode: bool = False,
+                accumulation_steps: int | None = None) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        """Build the engine (``deepspeed.initialize``) from the model, its optimizer and the filled config.
+
+        Raises:
+            ConfigurationError: a second model, several optimizers, or config values hasten cannot fill.
+        """
+        if evaluation_mode or not models:
+            return super().prepare(models, optimizers, device_placement=device_placement,
+                                   evaluation_mode=evaluation_mode)
+        if len(models) > 1:
+            raise ConfigurationError(f"{type(self).__name__} prepares one model per Accelerator; prepare got "
+                                     f"{len(models)} models.")
         if self.engine is not None:
             raise ConfigurationError(
                 "This Accelerator already holds a DeepSpeed engine; DeepSpeed trains one model per Accelerator "
                 "(hasten has no multi-plugin form, `deepspeed_plugins={...}`, yet). Prepare a frozen model with "
                 "`accelerator.prepare_model(model, evaluation_mode=True)`, or use a second Accelerator.")
+        model = models[0]
         if len(optimizers) > 1:
             raise ConfigurationError(f"DeepSpeed drives one optimizer per model; prepare got {len(optimizers)}. "
                                      "Put the parameters in one optimizer with several param groups.")
@@ -123,7 +113,9 @@ class DeepSpeedStrategy(Strategy):
         optimizer = optimizers[0] if optimizers else None
         schedulers = self._call["schedulers"]
         scheduler = schedulers[0] if schedulers else None
-        _ensure_process_group(self.device, self.num_processes)
+        self._ensure_group("gloo" if self.device.type == "cpu" else "nccl")
+        # deepspeed.initialize asserts torchrun's variables; a plain `python script.py` run has none.
+        process_group.export_rank_variables(self.num_processes)
         config = self._finish_config(model, optimizer, scheduler)
         kwargs: dict[str, Any] = {"model": model, "config": config}
         if isinstance(optimizer, DummyOptim):
@@ -137,7 +129,18 @@ class DeepSpeedStrategy(Strategy):
             scheduler.bind(ds_scheduler)
         self.engine = engine
         self.deepspeed_config = config
-        return engine, ([ds_optimizer] if optimizer is not None else [])
+        return [engine], ([ds_optimizer] if optimizer is not None else [])
+
+    def compile(self, model: nn.Module, backend: str, options: dict[str, Any]) -> nn.Module:
+        """``engine.compile``: the engine compiles its module in place and stays the prepared object."""
+        engine = self._engine_of(model)
+        if engine is None:
+            return super().compile(model, backend, options)
+        engine.compile(backend=backend, compile_kwargs=dict(options))
+        return engine
+
+    def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing: ZeRO places (or offloads) the optimizer state itself."""
 
     def _finish_config(self, model: nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
         """Fill the config's ``"auto"`` values from this run (Accelerate's rules) and check the objects."""
@@ -253,8 +256,9 @@ class DeepSpeedStrategy(Strategy):
         return state if unwrap else {f"module.{k}": v for k, v in state.items()}
 
     # -------------------------------------------------------------------------------- the step
-    def backward(self, loss: torch.Tensor, *, sync: bool = True, **kwargs: Any) -> None:
-        """``engine.backward(loss)``, then on a synchronising micro-step (``sync``) ``engine.step()``."""
+    def backward(self, loss: torch.Tensor, *, sync: bool = True, accumulation_steps: int = 1, **kwargs: Any) -> None:
+        """``engine.backward(loss)`` (which divides by the config's accumulation steps itself), then on a
+        synchronising micro-step (``sync``) ``engine.step()``: clipping, optimizer step, zero_grad."""
         if self.engine is None:
             raise ConfigurationError("accelerator.backward needs the prepared DeepSpeed model: call "
                                      "`accelerator.prepare(model, optimizer, loader)` first.")
@@ -262,6 +266,16 @@ class DeepSpeedStrategy(Strategy):
         self.engine.backward(loss, **kwargs)
         if sync:
             self.engine.step()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        """Nothing to do (the engine stepped in ``backward``); False when that step overflowed (fp16)."""
+        return not bool(getattr(optimizer, "overflow", False))
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool | None = None) -> None:
+        """Nothing: the engine zeroes the gradients inside its step."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing: the engine unscales inside its step."""
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> Any:
         """DeepSpeed clips inside ``engine.step`` (config ``gradient_clipping``); returns that step's norm."""
@@ -277,14 +291,19 @@ class DeepSpeedStrategy(Strategy):
         engines = [self._engine_of(m) for m in models]
         return [(MODEL_TAG if i == 0 else f"{MODEL_TAG}_{i}", e) for i, e in enumerate(x for x in engines if x)]
 
-    def save_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                                   folder: Path) -> None:
+    def weights_for_save(self, models: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+        """Nothing to show the pre-hooks: the engine writes its own checkpoint."""
+        return []
+
+    def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True) -> None:
         """``engine.save_checkpoint(folder, "pytorch_model")`` on every process (frozen models are not saved)."""
         for tag, engine in self._engines(models):
             engine.save_checkpoint(str(folder), tag=tag)
 
-    def check_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                                    folder: Path) -> None:
+    def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+              strict: bool = True, map_location: Any = "cpu") -> Any:
+        """The engine's folders exist, saved by as many processes as this run has (ZeRO shards)."""
         for tag, engine in self._engines(models):
             sub = Path(folder) / tag
             if not sub.is_dir() or not any(sub.glob("*model_states.pt")):
@@ -295,12 +314,24 @@ class DeepSpeedStrategy(Strategy):
                 raise CheckpointError(f"{sub} was saved by {ranks} DeepSpeed processes but this run has "
                                       f"{self.num_processes}; ZeRO shards load only into the same number of processes.")
 
-    def load_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                                   folder: Path) -> None:
+    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, checked: Any, *,
+             strict: bool = True) -> None:
+        """``engine.load_checkpoint`` for every engine."""
         for tag, engine in self._engines(models):
             path, _ = engine.load_checkpoint(str(folder), tag=tag)
             if path is None:
                 raise CheckpointError(f"DeepSpeed could not load {Path(folder) / tag}.")
+
+    def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Refused: the engine keeps partial gradients in its own partitioned buffers, outside its checkpoint.
+
+        Raises:
+            CheckpointError: always (save_state is refused before anything is written).
+        """
+        raise CheckpointError(
+            "save_state was called inside a gradient-accumulation window (accelerator.sync_gradients is False), and "
+            "DeepSpeed's checkpoint cannot hold the gradients accumulated so far: the resumed run would silently "
+            "differ. Save on a synchronising step: `if accelerator.sync_gradients: accelerator.save_state(...)`.")
 
 
 def _check_objects_against_config(config: dict[str, Any], optimizer: Any, scheduler: Any) -> None:

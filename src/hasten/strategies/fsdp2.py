@@ -10,8 +10,7 @@ a one-rank mesh (its own single-process group if none exists), so the same scrip
 
 from __future__ import annotations
 
-import atexit
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,21 +22,14 @@ from torch import nn
 from hasten.checkpointing import dcp as sharded
 from hasten.checkpointing import files as ckpt
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
-from hasten.config.plugins.fsdp_units import build_wrap_policy, checkpoint_targets, ignored_module_list, select_units
+from hasten.config.plugins.fsdp_units import (
+    build_wrap_policy,
+    checkpoint_targets,
+    ignored_module_list,
+    select_units,
+)
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.strategies.base import Strategy, unwrap_common
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-
-
-def _dtype(value: Any) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    key = str(value).replace("torch.", "").lower()
-    if key not in _DTYPES:
-        raise ConfigurationError(f"mixed_precision_policy dtype {value!r}: use one of {sorted(_DTYPES)} or a torch.dtype.")
-    return _DTYPES[key]
 
 
 def is_fsdp2_module(model: Any) -> bool:
@@ -52,8 +44,8 @@ class FSDP2Strategy(Strategy):
 
     Args:
         device: this process's device.
-        precision: the precision plugin (its mode becomes FSDP's ``MixedPrecisionPolicy`` unless the
-            plugin sets one).
+        precision: the precision plugin; an :class:`FSDPPrecision` provides FSDP's
+            ``MixedPrecisionPolicy`` (the plugin's, else one derived from ``mixed_precision``).
         distributed_type: ``DistributedType.FSDP``.
         num_processes: processes in the run (1 works: a one-rank mesh).
         plugin: the ``FullyShardedDataParallelPlugin`` (defaults when None).
@@ -62,10 +54,6 @@ class FSDP2Strategy(Strategy):
         >>> accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(reshard_after_forward=False))
         >>> model, optimizer = accelerator.prepare(model, optimizer)
     """
-
-    needs_model_and_optimizer_together = True
-    saves_models_itself = True
-    is_fsdp2 = True
 
     def __init__(self, device: torch.device, precision: Any, distributed_type: Any, num_processes: int = 1, *,
                  plugin: FullyShardedDataParallelPlugin | None = None) -> None:
@@ -86,34 +74,19 @@ class FSDP2Strategy(Strategy):
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            _ensure_process_group(self.device)
+            self._ensure_group()
             self._mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         return self._mesh
 
     def mixed_precision_policy(self) -> Any:
-        """FSDP's ``MixedPrecisionPolicy``: the plugin's, else one derived from ``mixed_precision``.
+        """FSDP's ``MixedPrecisionPolicy`` for this run (the precision plugin's, see ``FSDPPrecision``)."""
+        mp_policy = getattr(self.precision, "mp_policy", None)
+        if mp_policy is None:  # a plain precision given directly: wrap it for the plugin's policy
+            from hasten.precision.fsdp import FSDPPrecision
 
-        bf16/fp16 gather parameters and compute in half precision while gradients are reduced in
-        fp32 and the optimizer keeps fp32 shards (the accurate choice; FSDP's default reduces in the
-        parameter dtype).
-        """
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        value = self.fsdp_plugin.mixed_precision_policy
-        if value is None and self.precision.mixed_precision in ("bf16", "fp16"):
-            value = self.precision.mixed_precision
-        if value is None or isinstance(value, MixedPrecisionPolicy):
-            return value or MixedPrecisionPolicy()
-        if isinstance(value, dict):
-            unknown = set(value) - {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"}
-            if unknown:
-                raise ConfigurationError(f"mixed_precision_policy keys {sorted(unknown)} are not MixedPrecisionPolicy "
-                                         "fields (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).")
-            return MixedPrecisionPolicy(**{k: (v if k == "cast_forward_inputs" else _dtype(v)) for k, v in value.items()})
-        dtype = _dtype(value)
-        if dtype == torch.float32:
-            return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            self.precision = FSDPPrecision(self.precision, self.fsdp_plugin.mixed_precision_policy)
+            mp_policy = self.precision.mp_policy
+        return mp_policy()
 
     def _offload_policy(self) -> Any:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -124,10 +97,25 @@ class FSDP2Strategy(Strategy):
         return self.fsdp_plugin.offload_policy() or CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
 
     # ----------------------------------------------------------------------------------- preparing
-    def prepare_model_and_optimizers(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], *,
-                                     device_placement: bool = True, accumulation_steps: int | None = None,
-                                     ) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
-        """Shard ``model`` and re-point each optimizer at the sharded parameters (same groups, same state)."""
+    def prepare(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
+                device_placement: Sequence[bool], evaluation_mode: bool = False,
+                accumulation_steps: int | None = None) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        """Shard the model and re-point each optimizer at the sharded parameters (same groups, same state).
+
+        Raises:
+            ConfigurationError: several models in one call, a trainable model without its optimizer,
+                or an optimizer holding parameters of another model.
+        """
+        if evaluation_mode or not models:
+            return super().prepare(models, optimizers, device_placement=device_placement,
+                                   evaluation_mode=evaluation_mode)
+        if len(models) > 1:
+            raise ConfigurationError(f"{type(self).__name__} prepares one model per prepare call; prepare got "
+                                     f"{len(models)} models.")
+        model = models[0]
+        if not optimizers and any(p.requires_grad for p in model.parameters()):
+            raise ConfigurationError(f"{type(self).__name__} needs the model and its optimizer in the same "
+                                     "call: `model, optimizer = accelerator.prepare(model, optimizer)`.")
         names = _parameter_names(model)
         foreign = [p for opt in optimizers for group in opt.param_groups for p in group["params"] if id(p) not in names]
         if foreign:
@@ -135,11 +123,14 @@ class FSDP2Strategy(Strategy):
                 f"An optimizer passed to prepare holds {len(foreign)} parameter(s) (shapes "
                 f"{[tuple(p.shape) for p in foreign[:4]]}) that are not in {type(model).__name__}. Under FSDP2 "
                 "each optimizer must optimize the parameters of the model prepared with it.")
-        sharded_model = self._shard(model, device_placement)
+        sharded_model = self._shard(model, device_placement[0])
         new_params = dict(sharded_model.named_parameters(remove_duplicate=False))
         for optimizer in optimizers:
             _repoint_optimizer(optimizer, names, new_params)
-        return sharded_model, optimizers
+        return [sharded_model], optimizers
+
+    def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing: the optimizer state follows its (sharded, possibly offloaded) parameters."""
 
     def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
         """Shard a model prepared without an optimizer (frozen, or for inference)."""
@@ -264,8 +255,12 @@ class FSDP2Strategy(Strategy):
     def _sharded_format(self) -> bool:
         return self.fsdp_plugin.state_dict_type == "SHARDED_STATE_DICT"
 
-    def save_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                                   folder: Path) -> None:
+    def weights_for_save(self, models: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+        """Nothing to show the pre-hooks: :meth:`save` gathers or writes shards itself."""
+        return []
+
+    def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True) -> None:
         """SHARDED_STATE_DICT: DCP folders written by every rank; FULL_STATE_DICT: gathered files from rank 0."""
         inner_models = [unwrap_common(m) for m in models]
         for i, model in enumerate(inner_models):
@@ -284,8 +279,8 @@ class FSDP2Strategy(Strategy):
                 if dist.get_rank() == 0:
                     ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
 
-    def check_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                                    folder: Path) -> None:
+    def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+              strict: bool = True, map_location: Any = "cpu") -> Any:
         """Check every model/optimizer file or DCP folder (either format loads) before anything changes."""
         for i, model in enumerate(models):
             path = sharded.model_dir(folder, i)
@@ -305,8 +300,8 @@ class FSDP2Strategy(Strategy):
                 raise CheckpointError(f"{folder} has no state for optimizer #{i}: expected the folder {path.name}/ or "
                                       f"{ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))}.")
 
-    def load_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
-                                   folder: Path) -> None:
+    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, checked: Any, *,
+             strict: bool = True) -> None:
         """Load what the checkpoint holds, whichever ``state_dict_type`` it was saved with."""
         inner_models = [unwrap_common(m) for m in models]
         for i, model in enumerate(inner_models):
@@ -330,14 +325,69 @@ class FSDP2Strategy(Strategy):
                 sharded.load_full_optimizer_state(owner, optimizer, state)
 
 
+    def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's unsharded gradients gathered under ``no_sync``, not yet reduce-scattered.
+
+        FSDP2 keeps them on its per-parameter records (``FSDPParam``): in the unsharded parameter's
+        ``grad``, or, when gradients are reduced in another dtype, in ``unsharded_accumulated_grad``.
+        Parameters FSDP2 does not manage (ignored modules) keep theirs on ``param.grad``.
+        """
+        inner = unwrap_common(model)
+        if not is_fsdp2_module(inner):
+            return super().accumulated_gradients(model)
+        grads: dict[str, torch.Tensor] = {}
+        managed: set[int] = set()
+        for name, record in _fsdp_params(inner):
+            managed.add(id(record.sharded_param))
+            pending = record.unsharded_accumulated_grad
+            if pending is None and hasattr(record, "_unsharded_param"):
+                pending = record._unsharded_param.grad
+            if pending is not None:
+                grads[name] = pending.detach().cpu().contiguous()
+        for name, param in inner.named_parameters():
+            if id(param) not in managed and param.grad is not None and not _is_dtensor(param.grad):
+                grads[name] = param.grad.detach().cpu().contiguous()
+        return grads
+
+    def restore_accumulated_gradients(self, model: nn.Module, grads: dict[str, torch.Tensor], path: Path) -> None:
+        """Hand the saved gradients back to FSDP2: the next backward adds to them, then reduce-scatters."""
+        inner = unwrap_common(model)
+        if not is_fsdp2_module(inner):
+            super().restore_accumulated_gradients(model, grads, path)
+            return
+        records = dict(_fsdp_params(inner))
+        params = dict(inner.named_parameters())
+        unknown = [name for name in grads if name not in records and name not in params]
+        if unknown:
+            raise CheckpointError(f"{path} holds gradients for parameters the model lacks: {unknown[:8]}")
+        for name, grad in grads.items():
+            if name in records:
+                record = records[name]
+                record.unsharded_accumulated_grad = grad.to(record.sharded_param.device)
+            else:
+                params[name].grad = grad.to(params[name].device, dtype=params[name].dtype)
+
+
 # ---------------------------------------------------------------------------------------- helpers
-def _ensure_process_group(device: torch.device) -> None:
-    """One process and no group: start a private one-rank group, so FSDP2 runs unchanged."""
-    if dist.is_initialized():
-        return
-    backend = "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
+    """``(parameter name, FSDPParam)`` for every parameter FSDP2 manages in ``model`` (FSDP2 internals)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    found = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for record in group.fsdp_params if group is not None else ():
+            found.append((names[id(record.sharded_param)], record))
+    return found
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _rank0_flag(value: bool, world: int) -> bool:

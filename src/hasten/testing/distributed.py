@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hasten.config.env import test_start_method
+from hasten.environments.process_group import end_group, group_running, start_group
 
 
 class RankFailed(RuntimeError):
@@ -39,8 +40,8 @@ def _rank_main(rank: int, world_size: int, tmp_dir: str, fn: Callable[..., Any],
 
     reset_state()  # a forked child must not inherit the parent's view of the run
     store = dist.FileStore(os.path.join(tmp_dir, "rdzv_store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=pg_timeout))
+    start_group(backend="gloo", store=store, rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout))
     ok = False
     try:
         result = fn(*args)
@@ -52,13 +53,11 @@ def _rank_main(rank: int, world_size: int, tmp_dir: str, fn: Callable[..., Any],
             f.write(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            if ok:
-                try:
-                    dist.barrier()
-                except RuntimeError:
-                    pass
-            dist.destroy_process_group()
+        if group_running():
+            try:
+                end_group(barrier=ok)
+            except RuntimeError:
+                pass  # a failed barrier: the group is destroyed all the same, the rank's own error is kept
         reset_state()
 
 

@@ -9,7 +9,7 @@ FSDP1 ``fsdp_config`` block. Nothing here reads the environment: Accelerate fill
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
