@@ -23,13 +23,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	mkdir -p .tmp
+	$(PY) -m mypy
 	TMPDIR=$(CURDIR)/.tmp OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(PY) -m pytest --basetemp=$(CURDIR)/.tmp/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .tmp
+	rm -rf $(VENV) .tmp .mypy_cache
 
 # The documentation site (docs/ + API reference from the docstrings) into site/; any warning fails it.
 .PHONY: docs

@@ -284,6 +284,7 @@ class AcceleratorState:
     """
 
     _shared_state: dict[str, Any] = {}
+    _mixed_precision: str
 
     def __init__(self, mixed_precision: str | None = None, cpu: bool = False, dynamo_plugin: Any = None,
                  deepspeed_plugin: Any = None, fsdp_plugin: Any = None, torch_tp_plugin: Any = None,

@@ -21,6 +21,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hasten import ops
+from hasten.accelerator._base import AcceleratorBase
 from hasten.checkpointing import SAVE_STAGE_HOOKS, CheckpointError, capture_rng_state, restore_rng_state
 from hasten.checkpointing import files as ckpt
 from hasten.checkpointing.naming import (
@@ -35,7 +36,7 @@ from hasten.checkpointing.naming import (
 from hasten.checkpointing.shards import write_model_files
 
 
-class CheckpointMixin:
+class CheckpointMixin(AcceleratorBase):
     """Saving and restoring the whole training state."""
 
     # ------------------------------------------------------------------------------------- saving

@@ -7,12 +7,11 @@ from typing import Any
 import torch
 
 from hasten import ops
+from hasten.accelerator._base import AcceleratorBase
 
 
-class CollectivesMixin:
+class CollectivesMixin(AcceleratorBase):
     """gather / gather_for_metrics / reduce / pad_across_processes and the early-stop trigger."""
-
-    device: torch.device
 
     def gather(self, tensor: Any) -> Any:
         """All-gather (nested) tensors and concatenate them on dim 0.

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.accelerator._base import AcceleratorBase
 from hasten.exceptions import ConfigurationError
 from hasten.optim import AcceleratedOptimizer, AcceleratedScheduler
 
@@ -18,7 +19,7 @@ def _multi_device_map(model: nn.Module) -> bool:
     return isinstance(device_map, dict) and len(set(map(str, device_map.values()))) > 1
 
 
-class PrepareMixin:
+class PrepareMixin(AcceleratorBase):
     """Wraps models, optimizers, schedulers and data loaders for the current strategy."""
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -96,7 +97,7 @@ class PrepareMixin:
             if self._settings.dynamo_backend != "NO":
                 model = self._strategy.compile(model, self._settings.dynamo_backend.lower(),
                                                dict(self._settings.dynamo_kwargs))
-            model._is_accelerate_prepared = True
+            setattr(model, "_is_accelerate_prepared", True)  # noqa: B010 - nn.Module's typed __setattr__
             self._models.append(model)
             compiled.append(model)
         return compiled, new_optimizers

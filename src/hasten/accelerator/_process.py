@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
+from hasten.accelerator._base import AcceleratorBase
 from hasten.state import AcceleratorState
 
 
-class ProcessControlMixin:
+class ProcessControlMixin(AcceleratorBase):
     """Who am I, and run this only here: every method delegates to ``self.state``."""
 
     state: AcceleratorState

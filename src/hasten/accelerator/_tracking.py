@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hasten.state import AcceleratorState
+from hasten.accelerator._base import AcceleratorBase
 from hasten.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker
 
 
@@ -26,12 +26,9 @@ def _main_process_only(entry: Any) -> bool:
     return bool(getattr(source, "main_process_only", True))
 
 
-class TrackingMixin:
+class TrackingMixin(AcceleratorBase):
     """Trackers live on the main process (or on every process for ``main_process_only=False`` trackers)."""
 
-    state: AcceleratorState
-    log_with: list[Any]
-    logging_dir: str | None
     trackers: list[GeneralTracker]
 
     def _hosts_tracker(self, entry: Any) -> bool:
@@ -68,7 +65,7 @@ class TrackingMixin:
             if isinstance(entry, GeneralTracker):
                 trackers.append(entry)  # a user instance, already built
                 continue
-            cls = _entry_class(entry)
+            cls: Any = _entry_class(entry)  # a concrete tracker class: its __init__ takes the project name
             kwargs = init_kwargs.get(_entry_name(entry), {})
             if cls.requires_logging_directory:
                 trackers.append(cls(project_name, self.logging_dir, **kwargs))

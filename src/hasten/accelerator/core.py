@@ -77,6 +77,13 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         ...     optimizer.step(); optimizer.zero_grad()
     """
 
+    # Set from ``kwargs_handlers`` (None when not given), as in Accelerate.
+    ddp_handler: DistributedDataParallelKwargs | None
+    scaler_handler: GradScalerKwargs | None
+    init_handler: InitProcessGroupKwargs | None
+    autocast_handler: AutocastKwargs | None
+    profile_handler: ProfileKwargs | None
+
     def __init__(self, device_placement: bool = True, split_batches: Any = _NOT_GIVEN, mixed_precision: Any = None,
                  gradient_accumulation_steps: int = 1, cpu: bool = False,
                  dataloader_config: DataLoaderConfiguration | None = None, deepspeed_plugin: Any = None,
@@ -293,7 +300,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         """Divide fp16 gradients by the loss scale (all prepared optimizers by default)."""
         if self._precision.scaler is None:
             return
-        optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else self._optimizers
+        optimizers: list[Any] = (list(optimizer) if isinstance(optimizer, (list, tuple))
+                                 else [optimizer] if optimizer else self._optimizers)
         for opt in optimizers:
             self._strategy.unscale_(getattr(opt, "optimizer", opt))
 
@@ -374,7 +382,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         saved = []
         if even_batches is not None:
             for loader in self._dataloaders:
-                sampler = getattr(loader, "batch_sampler", None)
+                sampler: Any = getattr(loader, "batch_sampler", None)
                 if hasattr(sampler, "even_batches"):
                     saved.append((sampler, sampler.even_batches))
                     sampler.even_batches = even_batches

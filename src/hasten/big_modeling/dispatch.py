@@ -192,7 +192,7 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, int | str | torch.
             raise ValueError("The device_map puts the whole model on the disk: use `disk_offload(model, offload_dir)` "
                              "instead.")
         model.to(torch.device("cuda", device) if isinstance(device, int) else device)
-    model.hf_device_map = dict(device_map)
+    setattr(model, "hf_device_map", dict(device_map))  # noqa: B010 - nn.Module's typed __setattr__
     return model
 
 

@@ -94,7 +94,7 @@ class SequentialHook(ModelHook):
         return module
 
 
-def _hooked_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _hooked_forward(module: Any, *args: Any, **kwargs: Any) -> Any:
     hook = module._hf_hook
     args, kwargs = hook.pre_forward(module, *args, **kwargs)
     if hook.no_grad:
@@ -111,23 +111,24 @@ def add_hook_to_module(module: nn.Module, hook: ModelHook, append: bool = False)
     Example:
         >>> add_hook_to_module(model, AlignDevicesHook(execution_device="cpu", io_same_device=True))
     """
-    if append and getattr(module, "_hf_hook", None) is not None:
-        old_hook = module._hf_hook
+    target: Any = module  # the attributes hasten adds are not nn.Module's typed ones
+    if append and getattr(target, "_hf_hook", None) is not None:
+        old_hook = target._hf_hook
         remove_hook_from_module(module)
         hook = SequentialHook(old_hook, hook)
-    if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
-        old_forward = module._old_forward
+    if hasattr(target, "_hf_hook") and hasattr(target, "_old_forward"):
+        old_forward = target._old_forward
     else:
-        old_forward = module.forward
-        module._old_forward = old_forward
-    module = hook.init_hook(module)
-    module._hf_hook = hook
-    new_forward = functools.update_wrapper(functools.partial(_hooked_forward, module), old_forward)
-    if "GraphModuleImpl" in str(type(module)):  # fx graph modules regenerate forward on the class
-        module.__class__.forward = new_forward
+        old_forward = target.forward
+        target._old_forward = old_forward
+    target = hook.init_hook(target)
+    target._hf_hook = hook
+    new_forward = functools.update_wrapper(functools.partial(_hooked_forward, target), old_forward)
+    if "GraphModuleImpl" in str(type(target)):  # fx graph modules regenerate forward on the class
+        target.__class__.forward = new_forward
     else:
-        module.forward = new_forward
-    return module
+        target.forward = new_forward
+    return target
 
 
 def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Module:
@@ -136,15 +137,16 @@ def remove_hook_from_module(module: nn.Module, recurse: bool = False) -> nn.Modu
     Example:
         >>> remove_hook_from_module(model, recurse=True)
     """
-    if hasattr(module, "_hf_hook"):
-        module._hf_hook.detach_hook(module)
-        delattr(module, "_hf_hook")
-    if hasattr(module, "_old_forward"):
-        if "GraphModuleImpl" in str(type(module)):
-            module.__class__.forward = module._old_forward
+    target: Any = module  # the attributes hasten adds are not nn.Module's typed ones
+    if hasattr(target, "_hf_hook"):
+        target._hf_hook.detach_hook(target)
+        delattr(target, "_hf_hook")
+    if hasattr(target, "_old_forward"):
+        if "GraphModuleImpl" in str(type(target)):
+            target.__class__.forward = target._old_forward
         else:
-            module.forward = module._old_forward
-        delattr(module, "_old_forward")
+            target.forward = target._old_forward
+        delattr(target, "_old_forward")
     for attr in _ADDED_ATTRIBUTES:  # the warn-on-move wrappers dispatch_model installs
         module.__dict__.pop(attr, None)
     if recurse:
@@ -309,7 +311,7 @@ class AlignDevicesHook(ModelHook):
             self.input_device = find_device([args, kwargs])
         if self.offload:
             values = self.prefetcher.fetch(self) if self.prefetcher is not None else self.read_weights()
-            device_key = as_torch_device(self.execution_device)
+            device_key = as_torch_device(self.execution_device)  # type: ignore[arg-type]  # set when offloading
             self.tied_pointers_to_remove = set()
             for name, value in values.items():
                 ptr = value.data_ptr()

@@ -58,10 +58,11 @@ def init_on_device(device: torch.device | str, include_buffers: bool | None = No
         original(module, name, param)
         if param is None or param.device == device:
             return  # already there: keep the object, so ties made inside the block (a.weight = b.weight) hold
-        param_cls = type(module._parameters[name])
-        extras: dict[str, Any] = dict(module._parameters[name].__dict__)
+        registered: Any = module._parameters[name]
+        param_cls = type(registered)
+        extras: dict[str, Any] = dict(registered.__dict__)
         hf_initialized = extras.pop("_is_hf_initialized", None)  # transformers' marker is not a ctor kwarg
-        moved = module._parameters[name].to(device)
+        moved = registered.to(device)
         try:
             new_param = param_cls(moved, **extras)
         except TypeError:  # plain nn.Parameter (or a subclass) takes no extra kwargs
@@ -71,7 +72,7 @@ def init_on_device(device: torch.device | str, include_buffers: bool | None = No
             new_param._is_hf_initialized = hf_initialized
         module._parameters[name] = new_param
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

@@ -42,7 +42,7 @@ def compute_module_sizes(model: nn.Module, dtype: str | torch.dtype | None = Non
     """
     dtype_size = dtype_byte_size(str_to_dtype(dtype)) if dtype is not None else None
     specials = {k: dtype_byte_size(str_to_dtype(v)) for k, v in (special_dtypes or {}).items()}
-    sizes: defaultdict[str, int] = defaultdict(int)
+    sizes: defaultdict[str, Any] = defaultdict(int)  # sub-byte dtypes give fractional sizes
     tensors: Iterable[tuple[str, torch.Tensor]] = (
         model.named_buffers(recurse=True) if buffers_only else named_module_tensors(model, recurse=True))
     for name, tensor in tensors:

@@ -138,6 +138,7 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: int
         >>> set_module_tensor_to_device(layer, "weight", "cpu", value=torch.zeros(2, 2))
     """
     module, name = get_submodule_and_name(module, tensor_name)
+    params: Any = module._parameters  # values are Parameter | None in torch's stubs; these names exist
     device_key = as_torch_device(device)
     if name not in module._parameters and name not in module._buffers:
         raise ValueError(f"{type(module).__name__} has no parameter or buffer named {name!r} ({tensor_name!r}).")
@@ -145,7 +146,7 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: int
     old_value = getattr(module, name)
     shared = _tied_copy(tied_params_map, device_key, value, old_value)
     if shared is not None:
-        module._parameters[name] = shared  # reuse the copy of this tied weight already on `device`
+        params[name] = shared  # reuse the copy of this tied weight already on `device`
         return
     if old_value is not None and old_value.device.type == "meta" and str(device) != "meta" and value is None:
         raise ValueError(f"{tensor_name} is on the meta device: a `value` is needed to put it on {device}.")
@@ -168,9 +169,9 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: int
             new_value = torch.tensor(value, device=device)
         if is_buffer:
             module._buffers[name] = new_value
-        elif value is not None or not _same_device(module._parameters[name].device, device) or (
+        elif value is not None or not _same_device(params[name].device, device) or (
                 dtype is not None and new_value.dtype != old_value.dtype):
-            param_cls = type(module._parameters[name])
+            param_cls = type(params[name])
             requires_grad = old_value.requires_grad and new_value.is_floating_point()
             try:
                 new_param = param_cls(new_value, requires_grad=requires_grad)

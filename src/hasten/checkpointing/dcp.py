@@ -124,7 +124,8 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The gathered state dict on CPU, on rank 0 only (other ranks get ``{}``); every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state: dict[str, Any] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -177,7 +178,7 @@ def _model_folders(checkpoint_dir: Path) -> list[Path]:
     """The DCP model folders named by ``checkpoint_dir``: itself, or the ``pytorch_model_fsdp_*`` inside it."""
     if is_dcp_folder(checkpoint_dir):
         return [checkpoint_dir]
-    folders = []
+    folders: list[Path] = []
     while is_dcp_folder(model_dir(checkpoint_dir, len(folders))):
         folders.append(model_dir(checkpoint_dir, len(folders)))
     if not folders:

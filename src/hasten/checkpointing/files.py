@@ -50,7 +50,7 @@ def torch_load(path: Path, map_location: Any = "cpu") -> Any:
                               "objects that cannot be loaded safely (weights_only=True).") from exc
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[Any, int, tuple[int, ...]]:
+def _storage_key(tensor: torch.Tensor) -> tuple[Any, Any, tuple[int, ...]]:
     """Tensors with the same key are the same memory (tied weights)."""
     return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -36,7 +36,7 @@ def _describe(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return honor_type(data, (_describe(d) for d in data))
     if isinstance(data, Mapping):
-        return type(data)({k: _describe(v) for k, v in data.items()})
+        return cast(Any, type(data))({k: _describe(v) for k, v in data.items()})
     return data
 
 
@@ -46,7 +46,7 @@ def _allocate(spec: Any, device: torch.device) -> Any:
     if isinstance(spec, (list, tuple)):
         return honor_type(spec, (_allocate(s, device) for s in spec))
     if isinstance(spec, Mapping):
-        return type(spec)({k: _allocate(v, device) for k, v in spec.items()})
+        return cast(Any, type(spec))({k: _allocate(v, device) for k, v in spec.items()})
     return spec
 
 
@@ -65,7 +65,7 @@ def _concat(batches: list[Any]) -> Any:
     if isinstance(first, (list, tuple)):
         return honor_type(first, (_concat([b[i] for b in batches]) for i in range(len(first))))
     if isinstance(first, Mapping):
-        return type(first)({k: _concat([b[k] for b in batches]) for k in first})
+        return cast(Any, type(first))({k: _concat([b[k] for b in batches]) for k in first})
     return first
 
 
@@ -153,7 +153,7 @@ class DataLoaderDispatcher(ResumableMixin, DataLoaderStateMixin, DataLoader):
                              num_processes=self.state.num_processes)
 
     # ------------------------------------------------------------------------------ every process
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub names its private iterator
         token, skip = self._start_pass()
         try:
             self.begin()
@@ -213,7 +213,8 @@ class DataLoaderDispatcher(ResumableMixin, DataLoaderStateMixin, DataLoader):
 
     def set_sampler(self, sampler: Any) -> None:
         """Replace the index sampler inside the batch sampler."""
-        self.batch_sampler.sampler = sampler
+        owner: Any = self.batch_sampler
+        owner.sampler = sampler
 
 
 _END = object()

@@ -79,7 +79,7 @@ class _SkipOnce:
     def __init__(self, base: Iterable[Any], skip: int) -> None:
         self.base, self.skip = base, skip
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub names its private iterator
         return itertools.islice(iter(self.base), self.skip, None)
 
     def __len__(self) -> int:
@@ -235,12 +235,12 @@ class ResumableMixin:
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next pass and forward it to whatever understands epochs."""
         self.iteration = epoch
-        batch_sampler = getattr(self, "batch_sampler", None)
+        batch_sampler: Any = getattr(self, "batch_sampler", None)
         sampler = getattr(self, "sampler", None)
         if isinstance(sampler, BatchSampler):  # a batch sampler passed as `sampler`
             batch_sampler = sampler
-        inner = getattr(batch_sampler, "sampler", None)
-        nested = getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)
+        inner: Any = getattr(batch_sampler, "sampler", None)
+        nested: Any = getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)
         if hasattr(batch_sampler, "set_epoch"):
             batch_sampler.set_epoch(epoch)
         elif hasattr(inner, "set_epoch"):
@@ -315,7 +315,7 @@ class DataLoaderShard(_IndexSkipMixin, ResumableMixin, DataLoaderStateMixin, Dat
             synchronize_rng_states(["generator"], self.synchronized_generator)
             self._generator_agreed = True
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub names its private iterator
         self._sync_rngs()
         token, skip = self._start_pass()
         progress = self._progress
@@ -354,11 +354,11 @@ class DataLoaderShard(_IndexSkipMixin, ResumableMixin, DataLoaderStateMixin, Dat
         """The global batch size: per-process size x processes (the original size with split_batches)."""
         if isinstance(self.dataset, IterableDataset):
             # Read the shard itself: the default batch sampler torch builds here knows only one process.
-            shard = self.dataset
+            shard: Any = self.dataset
             if hasattr(shard, "num_processes") and hasattr(shard, "split_batches"):
                 return int(shard.batch_size) * (1 if shard.split_batches else int(shard.num_processes))
             return int(self.batch_size or 1)
-        sampler = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
+        sampler: Any = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
         if getattr(sampler, "split_batches", False):
             return int(sampler.batch_size)
         return int(sampler.batch_size) * int(getattr(sampler, "num_processes", 1))
@@ -374,7 +374,7 @@ class DataLoaderShard(_IndexSkipMixin, ResumableMixin, DataLoaderStateMixin, Dat
 
     def set_sampler(self, sampler: Any) -> None:
         """Replace the index sampler inside the (sharded) batch sampler."""
-        owner = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
+        owner: Any = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
         owner.sampler = sampler
 
 
@@ -406,7 +406,7 @@ class SkipDataLoader(_IndexSkipMixin, DataLoader):
         self.skip_batches = skip_batches
         self._pending_skip = int(skip_batches)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub names its private iterator
         skip, self._pending_skip = self._pending_skip, 0
         iterator, data_skip = self._open_iterator(skip)
         return itertools.islice(iterator, data_skip, None) if data_skip else iterator

@@ -93,7 +93,7 @@ def _shuffle_setup(batch_sampler: Any, use_seedable: bool, data_seed: int | None
     n = num_processes if agree else 1
     if use_seedable or isinstance(sampler, SeedableRandomSampler):
         seed = data_seed if data_seed is not None else getattr(sampler, "initial_seed", torch.initial_seed())
-        new = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
+        new: RandomSampler = SeedableRandomSampler(sampler.data_source, replacement=sampler.replacement,
                                     num_samples=sampler._num_samples, generator=sampler.generator or torch.Generator(),
                                     data_seed=_agree_seed(int(seed), n))
     elif sampler.generator is None:
@@ -218,7 +218,7 @@ def _prepare_iterable(dataloader: DataLoader, kwargs: dict[str, Any], device: to
     size = dataloader.batch_size
     if num_processes != 1 and not dispatch:
         if _has_native_shards(dataset, num_processes) and not split_batches:
-            dataset = dataset.shard(num_shards=num_processes, index=process_index)
+            dataset = dataset.shard(num_shards=num_processes, index=process_index)  # type: ignore[attr-defined]
         else:
             dataset = IterableDatasetShard(dataset, batch_size=size if size is not None else 1,
                                            drop_last=dataloader.drop_last, num_processes=num_processes,

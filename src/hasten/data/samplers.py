@@ -143,7 +143,7 @@ def iter_no_split(batches: Iterable[list[int]], n: int, rank: int, batch_size: i
     """Batch ``i`` goes to rank ``i % n``; a round is released once it is complete and its last batch full."""
     first: list[list[int]] = []
     pending: list[int] = []
-    idx, batch = -1, []
+    idx, batch = -1, list[int]()
     for idx, batch in enumerate(batches):
         if not drop_last and idx < n:
             first.append(batch)
@@ -233,7 +233,7 @@ class BatchSamplerShard(BatchSampler):
 
     def __init__(self, batch_sampler: Iterable[list[int]], num_processes: int = 1, process_index: int = 0,
                  split_batches: bool = False, even_batches: bool = True) -> None:
-        batch_size = getattr(batch_sampler, "batch_size", None)
+        batch_size: Any = getattr(batch_sampler, "batch_size", None)
         if split_batches and batch_size is None:
             raise ConfigurationError(
                 f"split_batches=True needs a batch sampler with a `batch_size`; {type(batch_sampler).__name__} has "
@@ -313,11 +313,11 @@ class SkipBatchSampler(BatchSampler):
     def __init__(self, batch_sampler: Iterable[list[int]], skip_batches: int = 0) -> None:
         self.batch_sampler = batch_sampler
         self.skip_batches = skip_batches
-        self.batch_size = getattr(batch_sampler, "batch_size", None)
+        self.batch_size: Any = getattr(batch_sampler, "batch_size", None)
         self.drop_last = getattr(batch_sampler, "drop_last", False)
 
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> Any:  # type: ignore[override]
         """The sampler inside the wrapped batch sampler (None if it has none)."""
         return getattr(self.batch_sampler, "sampler", None)
 

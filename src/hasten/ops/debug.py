@@ -40,7 +40,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 def call_site() -> str:
     """``file:line in function`` of the first frame outside hasten and torch: the user's code."""
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
         if not filename.startswith((_HASTEN_DIR, _TORCH_DIR)) and "contextlib" not in filename:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,7 +40,7 @@ def recursively_apply(func: Callable[..., Any], data: Any, *args: Any, test_type
         return honor_type(data, (recursively_apply(func, o, *args, test_type=test_type,
                                                    error_on_other_type=error_on_other_type, **kwargs) for o in data))
     if isinstance(data, Mapping):
-        return type(data)({k: recursively_apply(func, v, *args, test_type=test_type,
+        return cast(Any, type(data))({k: recursively_apply(func, v, *args, test_type=test_type,
                                                 error_on_other_type=error_on_other_type, **kwargs)
                            for k, v in data.items()})
     if test_type(data):
@@ -72,7 +72,7 @@ def send_to_device(tensor: Any, device: torch.device | str | int, non_blocking: 
         return honor_type(tensor, (send_to_device(t, device, non_blocking, skip_keys) for t in tensor))
     if isinstance(tensor, Mapping):
         skip = skip_keys or []
-        return type(tensor)({k: t if k in skip else send_to_device(t, device, non_blocking, skip_keys)
+        return cast(Any, type(tensor))({k: t if k in skip else send_to_device(t, device, non_blocking, skip_keys)
                              for k, t in tensor.items()})
     if isinstance(tensor, torch.Tensor) or hasattr(tensor, "to"):
         if isinstance(tensor, torch.Tensor) and _same_device(tensor.device, device):
@@ -142,7 +142,7 @@ def concatenate(data: list[Any], dim: int = 0) -> Any:
     if isinstance(first, (tuple, list)):
         return honor_type(first, (concatenate([d[i] for d in data], dim=dim) for i in range(len(first))))
     if isinstance(first, Mapping):
-        return type(first)({k: concatenate([d[k] for d in data], dim=dim) for k in first.keys()})
+        return cast(Any, type(first))({k: concatenate([d[k] for d in data], dim=dim) for k in first.keys()})
     if not isinstance(first, torch.Tensor):
         raise TypeError(f"Can only concatenate tensors but got {type(first).__name__}")
     return torch.cat(list(data), dim=dim)

@@ -23,7 +23,7 @@ class DeepSpeedPrecision(Precision):
         super().__init__(device_type)
         self.requested = mixed_precision
 
-    @property  # type: ignore[misc]
+    @property
     def mixed_precision(self) -> str:  # type: ignore[override]
         return self.requested
 

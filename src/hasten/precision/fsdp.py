@@ -43,12 +43,12 @@ class FSDPPrecision(Precision):
         self.inner = inner
         self.policy = policy
 
-    @property  # type: ignore[misc]
+    @property
     def mixed_precision(self) -> str:  # type: ignore[override]
         return self.inner.mixed_precision
 
-    @property  # type: ignore[misc]
-    def scaler(self) -> Any:  # type: ignore[override]
+    @property
+    def scaler(self) -> Any:
         return self.inner.scaler
 
     @property
@@ -101,7 +101,8 @@ class FSDPPrecision(Precision):
             if unknown:
                 raise ConfigurationError(f"mixed_precision_policy keys {sorted(unknown)} are not MixedPrecisionPolicy "
                                          "fields (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).")
-            return MixedPrecisionPolicy(**{k: (v if k == "cast_forward_inputs" else _dtype(v)) for k, v in value.items()})
+            fields: dict[str, Any] = {k: (v if k == "cast_forward_inputs" else _dtype(v)) for k, v in value.items()}
+            return MixedPrecisionPolicy(**fields)
         dtype = _dtype(value)
         if dtype == torch.float32:
             return MixedPrecisionPolicy()

@@ -106,7 +106,8 @@ class Strategy:
 
     def compile(self, model: nn.Module, backend: str, options: dict[str, Any]) -> nn.Module:
         """``torch.compile`` the prepared model (the facade calls it once, after :meth:`prepare`)."""
-        return torch.compile(model, backend=backend, **options)
+        compiled: nn.Module = torch.compile(model, backend=backend, **options)  # type: ignore[assignment]
+        return compiled
 
     def accumulation_steps(self, requested: int) -> int:
         """Micro-steps per optimizer step this strategy uses, given the Accelerator's ``requested`` count.
@@ -257,6 +258,6 @@ def unwrap_common(model: nn.Module) -> nn.Module:
         if hasattr(model, "_orig_mod") and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
             model = model._orig_mod
         elif isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
-            model = model.module
+            model = model.module  # type: ignore[assignment]
         else:
             return model

@@ -114,7 +114,7 @@ def register_comm_hook(model: DistributedDataParallel, kwargs: DistributedDataPa
         DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
         DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
     }
-    hook = hooks[hook_type]
+    hook: Any = hooks[hook_type]
     if hook_type == DDPCommunicationHookType.BF16 and model.device_type != "cuda":
         hook = bf16_compress_hook_any_backend  # torch's own hook refuses anything but CUDA + NCCL
     state: Any = None

@@ -354,7 +354,7 @@ def _check_objects_against_config(config: dict[str, Any], optimizer: Any, schedu
 
 
 def _hidden_size_values(model: nn.Module, keys: list[str]) -> dict[str, int]:
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None)
     if hidden is None and getattr(config, "hidden_sizes", None):
         hidden = max(config.hidden_sizes)

@@ -32,6 +32,11 @@ from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.strategies.base import Strategy, unwrap_common
 
 
+def _as_fsdp(model: nn.Module) -> Any:
+    """``model`` as an ``FSDPModule`` (its methods are added by ``fully_shard`` at run time)."""
+    return model
+
+
 def is_fsdp2_module(model: Any) -> bool:
     """True for a module sharded with ``fully_shard``."""
     from torch.distributed.fsdp import FSDPModule
@@ -200,17 +205,17 @@ class FSDP2Strategy(Strategy):
         if not is_fsdp2_module(inner):
             yield
             return
-        inner.set_requires_gradient_sync(False)
+        _as_fsdp(inner).set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            inner.set_requires_gradient_sync(True)
+            _as_fsdp(inner).set_requires_gradient_sync(True)
 
     @contextmanager
     def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
         inner = unwrap_common(model)
         if is_fsdp2_module(inner):
-            inner.set_requires_gradient_sync(True)  # FSDP2 decides in backward, so this is enough
+            _as_fsdp(inner).set_requires_gradient_sync(True)  # FSDP2 decides in backward, so this is enough
         yield
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
@@ -226,7 +231,7 @@ class FSDP2Strategy(Strategy):
         if not params:
             return torch.tensor(0.0)
         sharded_grads = [p.grad for p in params if isinstance(p.grad, DTensor)]
-        local_grads = [p.grad for p in params if not isinstance(p.grad, DTensor)]
+        local_grads = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
         norms = []
         if sharded_grads:
             total = torch.nn.utils.get_total_norm(sharded_grads, norm_type)
@@ -450,7 +455,8 @@ def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None
     for name, value in buffers.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
-        owner._buffers[leaf] = value.to(owner._buffers[leaf].device)
+        current = owner._buffers[leaf]
+        owner._buffers[leaf] = value.to(current.device if current is not None else value.device)
 
 
 def _broadcast_buffers(model: nn.Module) -> None:

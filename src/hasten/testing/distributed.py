@@ -86,8 +86,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, .
         RankFailed: a rank raised or the run exceeded ``timeout``; the message has every rank's traceback.
     """
     if tmp_dir is None:
-        with tempfile.TemporaryDirectory(prefix="hasten-ranks-") as tmp:
-            return run_on_ranks(fn, world_size, args, tmp, timeout, pg_timeout, env, start_method)
+        with tempfile.TemporaryDirectory(prefix="hasten-ranks-") as fresh:
+            return run_on_ranks(fn, world_size, args, fresh, timeout, pg_timeout, env, start_method)
     tmp = Path(tmp_dir)
     tmp.mkdir(parents=True, exist_ok=True)
     method = start_method or test_start_method()

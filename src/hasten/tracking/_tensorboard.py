@@ -25,9 +25,9 @@ def _summary_writer_class() -> Any:
     except ImportError:
         pass
     try:
-        from tensorboardX import SummaryWriter  # the stand-alone writer works too
+        from tensorboardX import SummaryWriter as StandaloneWriter  # the stand-alone writer works too
 
-        return SummaryWriter
+        return StandaloneWriter
     except ImportError as exc:
         raise MissingDependencyError("tensorboard", "log_with='tensorboard'", extra="tensorboard") from exc
 

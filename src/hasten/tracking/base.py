@@ -70,6 +70,9 @@ class GeneralTracker:
     """
 
     main_process_only = True
+    #: Declared here, defined by every concrete tracker class (checked in ``__init__``).
+    name: str
+    requires_logging_directory: bool
 
     def __init__(self, _blank: bool = False) -> None:
         self._blank = _blank

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -24,6 +24,7 @@ def _split_one(value: Any, num_processes: int, index: int, apply_padding: bool) 
             rows += [rows[-1]] * (-(-length // num_processes) - len(rows))
         return value.select(rows)
     target = -(-length // num_processes)  # the longest share
+    part: Any
     if start >= length:
         part = value[-1:] if length else value[0:0]  # more processes than items: repeat the last one
         if not apply_padding:
@@ -58,7 +59,7 @@ def split_inputs(inputs: Any, num_processes: int, index: int, apply_padding: boo
             raise ValueError(f"split_between_processes: all values of a dict must have the same length, got {lengths}")
         if num_processes == 1:
             return inputs
-        return type(inputs)({k: _split_one(v, num_processes, index, apply_padding) for k, v in inputs.items()})
+        return cast(Any, type(inputs))({k: _split_one(v, num_processes, index, apply_padding) for k, v in inputs.items()})
     _length(inputs, "inputs")
     if num_processes == 1:
         return inputs

@@ -272,7 +272,7 @@ class DeepSpeedPlugin:
                               else {"enabled": True})
         for dtype in ("fp16", "bf16"):
             config.setdefault(dtype, {"enabled": False})
-        wanted = {"fp16.enabled": mixed_precision == "fp16", "bf16.enabled": mixed_precision == "bf16"}
+        wanted: dict[str, Any] = {"fp16.enabled": mixed_precision == "fp16", "bf16.enabled": mixed_precision == "bf16"}
         self.fill_match("fp16.enabled", must_match=False, **wanted)
         self.fill_match("bf16.enabled", must_match=False, **wanted)
 
@@ -338,7 +338,7 @@ def deepspeed_plugin_from_launch_config(launch: Mapping[str, Any]) -> DeepSpeedP
     if unknown:
         raise ConfigurationError(f"Unknown keys in the deepspeed_config block: {unknown}. Known keys: {sorted(known)}.")
     config_file = block.pop("deepspeed_config_file", None)
-    kwargs = {name: block.get(name) for name in (*FIELD_TO_CONFIG, "zero3_init_flag") if block.get(name) is not None}
+    kwargs: dict[str, Any] = {name: block.get(name) for name in (*FIELD_TO_CONFIG, "zero3_init_flag") if block.get(name) is not None}
     if config_file not in (None, "", "none"):
         # Accelerate ignores the other keys when a file is given; hasten only accepts those agreeing with it.
         kwargs["hf_ds_config"] = config_file

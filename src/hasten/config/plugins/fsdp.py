@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # DEFAULT_MIN_NUM_PARAMS and ignored_module_list are re-exported from here, their earlier home.
-from hasten.config.plugins.fsdp_units import DEFAULT_MIN_NUM_PARAMS, build_wrap_policy, ignored_module_list
+from hasten.config.plugins.fsdp_units import (
+    DEFAULT_MIN_NUM_PARAMS,
+    UnitPolicy,
+    build_wrap_policy,
+    ignored_module_list,
+)
 from hasten.exceptions import ConfigurationError
 
 #: Auto-wrap policy names (Accelerate's ``FSDP_AUTO_WRAP_POLICY``).
@@ -222,8 +227,8 @@ class FullyShardedDataParallelPlugin:
         if self.mixed_precision_policy is None or override:
             self.mixed_precision_policy = None if str(mixed_precision) in ("no", "fp32", "None") else str(mixed_precision)
 
-    def set_auto_wrap_policy(self, model: Any) -> Callable[[Any], bool] | None:
-        """The callable ``policy(module) -> bool`` this plugin's ``auto_wrap_policy`` means for ``model``."""
+    def set_auto_wrap_policy(self, model: Any) -> UnitPolicy | None:
+        """The unit policy ``policy(module, unwrapped_numel) -> bool`` of ``auto_wrap_policy`` for ``model``."""
         return build_wrap_policy(self, model)
 
     def offload_policy(self) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -86,7 +87,8 @@ def check_data_loader(state: PartialState) -> None:
 
     n = state.num_processes
     for shuffle in (False, True):
-        loader = prepare_data_loader(DataLoader(list(range(32 * n)), batch_size=8, shuffle=shuffle),
+        numbers: Any = list(range(32 * n))  # a list is a valid map-style dataset
+        loader = prepare_data_loader(DataLoader(numbers, batch_size=8, shuffle=shuffle),
                                      put_on_device=True)
         seen = torch.cat([gather(batch.to(state.device)).cpu() for batch in loader])
         assert sorted(seen.tolist()) == list(range(32 * n)), f"shuffle={shuffle}: got {seen.tolist()}"
