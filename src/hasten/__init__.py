@@ -43,6 +43,7 @@ _EXPORTS = {
     "infer_auto_device_map": "hasten.big_modeling",
     "load_checkpoint_in_model": "hasten.big_modeling",
     "TorchDynamoPlugin": "hasten.utils.dataclasses",
+    "ParallelismConfig": "hasten.config.parallelism",
 }
 
 

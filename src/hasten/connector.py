@@ -38,6 +38,7 @@ class Settings:
     cpu: bool
     fsdp_plugin: Any = None
     deepspeed_plugin: Any = None
+    parallelism_config: Any = None
 
 
 def _precision(explicit: Any, launch: Mapping[str, Any]) -> str:
@@ -120,7 +121,25 @@ def resolve_settings(kwargs: Mapping[str, Any], launch: Mapping[str, Any]) -> Se
         cpu=bool(kwargs.get("cpu")) or bool(launch.get("use_cpu", False)),
         fsdp_plugin=_fsdp_plugin(kwargs.get("fsdp_plugin"), launch),
         deepspeed_plugin=_deepspeed_plugin(kwargs.get("deepspeed_plugin"), launch),
+        parallelism_config=_parallelism_config(kwargs.get("parallelism_config"), launch),
     )
+
+
+def _parallelism_config(explicit: Any, launch: Mapping[str, Any]) -> Any:
+    from hasten.config.parallelism import ParallelismConfig, parallelism_config_from_launch
+
+    if explicit is not None:
+        if not isinstance(explicit, ParallelismConfig):
+            raise ConfigurationError(f"parallelism_config must be a hasten ParallelismConfig, got "
+                                     f"{type(explicit).__module__}.{type(explicit).__name__}; build it with "
+                                     "`from hasten import ParallelismConfig`.")
+        return explicit
+    return parallelism_config_from_launch(launch)
+
+
+def uses_nd_strategy(config: Any) -> bool:
+    """True when ``config`` needs the N-D strategy (anything beyond plain replication)."""
+    return config is not None and (config.dp_shard_enabled or config.tp_enabled or config.cp_enabled)
 
 
 def _fsdp_plugin(explicit: Any, launch: Mapping[str, Any]) -> Any:
@@ -156,6 +175,10 @@ def build_parts(settings: Settings, device: torch.device, distributed_type: Dist
     if settings.fsdp_plugin is not None and settings.deepspeed_plugin is not None:
         raise ConfigurationError("Both an FSDP plugin and a DeepSpeed plugin were given (arguments or launch "
                                  "configuration); choose one.")
+    config = settings.parallelism_config
+    if config is not None and settings.deepspeed_plugin is not None and config.total_size > 1:
+        raise ConfigurationError(f"{config!r} and a DeepSpeed plugin were both given: DeepSpeed partitions the "
+                                 "model itself; use one of them.")
     if settings.deepspeed_plugin is not None:
         from hasten.precision.deepspeed import DeepSpeedPrecision
         from hasten.strategies.deepspeed import DeepSpeedStrategy  # imports deepspeed lazily
@@ -168,7 +191,15 @@ def build_parts(settings: Settings, device: torch.device, distributed_type: Dist
     precision = create_precision(settings.mixed_precision, device.type,
                                  autocast_handler=handlers.get(AutocastKwargs),
                                  scaler_handler=handlers.get(GradScalerKwargs))
-    if settings.fsdp_plugin is not None:
+    if uses_nd_strategy(config):
+        from hasten.precision.fsdp import FSDPPrecision
+        from hasten.strategies.nd import NDParallelStrategy
+
+        plugin = settings.fsdp_plugin
+        precision = FSDPPrecision(precision, getattr(plugin, "mixed_precision_policy", None))
+        strategy = NDParallelStrategy(device, precision, DistributedType.FSDP, num_processes, config=config,
+                                      plugin=plugin)
+    elif settings.fsdp_plugin is not None:
         from hasten.precision.fsdp import FSDPPrecision
         from hasten.strategies.fsdp2 import FSDP2Strategy
 

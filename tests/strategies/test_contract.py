@@ -1,4 +1,4 @@
-"""The strategy contract: one suite that every strategy passes (single device, DDP, FSDP2, DeepSpeed).
+"""The strategy contract: one suite that every strategy passes (single, DDP, FSDP2, DeepSpeed and the N-D ones).
 
 Each row runs the ordinary Accelerate loop (prepare, accumulate, backward, clip, step, save_state,
 load_state, end_training) and checks it against ground truth computed on the same rank with plain
@@ -10,7 +10,10 @@ then the mean over ranks) where the reference takes one mean over the whole batc
 the clipping norm over buckets or shards: the same fp32 numbers summed in another order, ~1e-7
 relative per operation. SGD with lr 0.1 over 3 steps keeps that below ~1e-6, so ``ATOL = 1e-5`` is
 10x the noise and 1000x below a real mistake (a missed or doubled step, an un-averaged or dropped
-gradient moves weights by ~1e-2). Resume: the resumed run replays the very same operations on the
+gradient moves weights by ~1e-2). The N-D rows (HSDP 2x2, DDP x TP 2x2, FSDP2 x TP 2x2 on 4 ranks)
+add tensor-parallel matmuls split over two ranks and summed by an all-reduce: the same order-of-summation
+noise, same bound. Under TP both ranks of a group read the same batch: batches follow the
+data-parallel rank. Resume: the resumed run replays the very same operations on the
 same numbers as the uninterrupted one, so it must be bit-exact (``torch.equal``).
 """
 
@@ -23,19 +26,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hasten import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin
+from hasten import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, ParallelismConfig
+from hasten.utils import TorchTensorParallelConfig
 from hasten.exceptions import CheckpointError
 from hasten.state import reset_state
 
 LR = 0.1
-CLIP = 0.5  # small enough that clipping really acts on these gradients (checked below)
+CLIP = 0.3  # small enough that clipping really acts on these gradients (checked below)
 ACCUMULATION = 2
 MICRO_STEPS = 6  # 3 optimizer steps
 BATCH = 4  # per rank and micro-step
 ATOL = 1e-5
 
 _RANKS = {"single": [], "ddp": [pytest.mark.world_size(2)], "fsdp2": [pytest.mark.world_size(2)],
-          "deepspeed": [pytest.mark.world_size(2, timeout=280)]}
+          "deepspeed": [pytest.mark.world_size(2, timeout=280)],
+          "hsdp": [pytest.mark.world_size(4, timeout=280)], "ddp_tp": [pytest.mark.world_size(4, timeout=280)],
+          "fsdp2_tp": [pytest.mark.world_size(4, timeout=280)]}
+#: The N-D rows: their ParallelismConfig sizes (dp_replicate, dp_shard, tp); the TP plan splits the
+#: first Linear by output columns and the second by input rows (nn.Sequential children by index).
+_ND = {"hsdp": (2, 2, 1), "ddp_tp": (2, 1, 2), "fsdp2_tp": (1, 2, 2)}
+TP_PLAN = {"0": "colwise", "2": "rowwise"}
 
 
 def _rows(known_bugs: dict[str, str] | None = None) -> list:
@@ -62,12 +72,18 @@ def _deepspeed_in_parent():
 
 def _accelerator(kind: str, **kwargs) -> Accelerator:
     reset_state()
+    _KIND[0] = kind
     if kind == "fsdp2":
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
     elif kind == "deepspeed":
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config={
             "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": BATCH,
             "gradient_accumulation_steps": ACCUMULATION, "gradient_clipping": CLIP})
+    elif kind in _ND:
+        replicate, shard, tp = _ND[kind]
+        kwargs["parallelism_config"] = ParallelismConfig(
+            dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp,
+            tp_handler=TorchTensorParallelConfig(tp_plan=TP_PLAN) if tp > 1 else None)
     return Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION, **kwargs)
 
 
@@ -77,7 +93,13 @@ def _model() -> nn.Module:
 
 
 def _world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    """``(data-parallel rank, data-parallel size)``: which batch this process reads, out of how many."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    tp = _ND.get(_KIND[0], (0, 0, 1))[2]
+    return rank // tp, world // tp
+
+
+_KIND = [""]  # the row being run (set by _accelerator/_reference, read by _world)
 
 
 def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +115,9 @@ def _my_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]
 
 
-def _reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+def _reference(kind: str) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, the whole batch, plain torch: the weights and the pre-clip norm of every step."""
+    _KIND[0] = kind
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     norms = []
@@ -139,7 +162,7 @@ def _weights(accelerator: Accelerator, model: nn.Module) -> dict[str, torch.Tens
 
 @pytest.mark.parametrize("kind", ROWS)
 def test_train_accumulate_clip_match_one_process_on_the_whole_batch(kind):
-    reference, reference_norms = _reference()
+    reference, reference_norms = _reference(kind)
     assert all(norm > CLIP for norm in reference_norms)  # clipping really acts
     accelerator, model, optimizer = _prepared(kind)
     norms: list[float] = []

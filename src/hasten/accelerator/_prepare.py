@@ -166,8 +166,10 @@ class PrepareMixin(AcceleratorBase):
             return data_loader
         placement = self.device_placement if device_placement is None else device_placement
         config = self.dataloader_config
+        # Under tensor/context parallelism the ranks of one group read the same batches.
+        num_shards, shard_index = self._data_parallel_position()
         prepared = prepare_data_loader(
-            data_loader, device=self.device, num_processes=self.num_processes, process_index=self.process_index,
+            data_loader, device=self.device, num_processes=num_shards, process_index=shard_index,
             split_batches=config.split_batches, put_on_device=placement, rng_types=list(self.rng_types),
             dispatch_batches=config.dispatch_batches, even_batches=config.even_batches,
             slice_fn_for_dispatch=slice_fn_for_dispatch, use_seedable_sampler=config.use_seedable_sampler,

@@ -14,6 +14,7 @@ from torch import nn
 
 from hasten.accelerator._checkpoint import CheckpointMixin
 from hasten.accelerator._collectives import CollectivesMixin
+from hasten.accelerator._parallelism import ParallelismMixin, build_mesh, check_parallelism_sizes
 from hasten.accelerator._prepare import PrepareMixin
 from hasten.accelerator._process import ProcessControlMixin
 from hasten.accelerator._tracking import TrackingMixin
@@ -65,7 +66,8 @@ def _collect_handlers(kwargs_handlers: list[KwargsHandler] | None) -> dict[type,
     return handlers
 
 
-class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin):
+class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin,
+                  ParallelismMixin):
     """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
 
     Example:
@@ -108,16 +110,20 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
             {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
              "gradient_accumulation_plugin": gradient_accumulation_plugin, "dynamo_backend": dynamo_backend,
              "dynamo_plugin": dynamo_plugin, "cpu": cpu, "fsdp_plugin": fsdp_plugin,
-             "deepspeed_plugin": deepspeed_plugin or deepspeed_plugins}, launch)
+             "deepspeed_plugin": deepspeed_plugin or deepspeed_plugins, "parallelism_config": parallelism_config},
+            launch)
+        check_parallelism_sizes(self._settings.parallelism_config, self._settings.cpu)  # before any group starts
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         self.state = AcceleratorState(mixed_precision=self._settings.mixed_precision, cpu=self._settings.cpu,
                                       fsdp_plugin=self._settings.fsdp_plugin,
                                       deepspeed_plugin=self._settings.deepspeed_plugin,
+                                      parallelism_config=self._settings.parallelism_config,
                                       _from_accelerator=True, **init_kwargs)
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)
         self.state.distributed_type = self._strategy.distributed_type
         self._strategy.setup()
+        self.state.device_mesh = build_mesh(self._settings.parallelism_config, self._strategy)
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
             num_steps=self._settings.gradient_accumulation_steps, adjust_scheduler=False)
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
@@ -131,7 +137,6 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
             raise ConfigurationError("deepspeed_plugin and deepspeed_plugins are aliases: pass only one.")
         _unsupported("torch_tp_plugin", torch_tp_plugin, "tensor parallelism is not available")
         _unsupported("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM is not available")
-        _unsupported("parallelism_config", parallelism_config, "N-D parallelism is not available")
 
     def _init_attributes(self, device_placement: bool, dataloader_config: DataLoaderConfiguration | None,
                          rng_types: list[Any] | None, project_dir: Any, project_config: ProjectConfiguration | None,

@@ -23,7 +23,7 @@ def _all_tensors(data: Any) -> bool:
     return True
 
 
-def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
+def gather_for_metrics(input_data: Any, use_gather_object: bool = False, stride: int = 1) -> Any:
     """Gather ``input_data`` from every process; on the last batch, keep only the real samples.
 
     Tensors (nested in lists/tuples/dicts) are gathered with ``gather``; anything else, or everything
@@ -36,6 +36,8 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
     Args:
         input_data: a tensor, a nested structure of tensors, or picklable objects (one item per sample).
         use_gather_object: gather as Python objects.
+        stride: consecutive processes that hold the same batch (tensor/context-parallel groups of an
+            N-D run): only the first of each group contributes, so every sample still appears once.
 
     Example:
         >>> for batch in eval_loader:
@@ -46,7 +48,10 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
         The gathered data; over a whole pass, every sample of the dataset exactly once.
     """
     as_objects = use_gather_object or not _all_tensors(input_data)
-    data = gather_object(input_data) if as_objects else gather(input_data)
+    if stride > 1:
+        data = _gather_group_leaders(input_data, stride, as_objects)
+    else:
+        data = gather_object(input_data) if as_objects else gather(input_data)
     state = GradientState()
     if not state.end_of_dataloader:
         return data
@@ -64,3 +69,26 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False) -> Any:
         return recursively_apply(lambda t: t[:remainder], data)
     except (TypeError, IndexError):  # objects that cannot be sliced: nothing sensible to drop
         return data
+
+
+def _gather_group_leaders(input_data: Any, stride: int, as_objects: bool) -> Any:
+    """Gather from every process, keep what processes ``0, stride, 2*stride, ...`` sent (in that order)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return input_data
+    world = dist.get_world_size()
+    if as_objects:
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, input_data)
+        out: list[Any] = []
+        for part in parts[::stride]:
+            out.extend(part if isinstance(part, (list, tuple)) else [part])
+        return out
+
+    def _leaders(gathered: torch.Tensor) -> torch.Tensor:
+        chunks = gathered.chunk(world, dim=0)
+        return torch.cat(chunks[::stride], dim=0)
+
+    return recursively_apply(_leaders, gather(input_data))

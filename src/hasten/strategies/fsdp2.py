@@ -166,6 +166,7 @@ class FSDP2Strategy(Strategy):
         elif device_placement and not plugin.cpu_offload:
             model.to(self.device)
         self.apply_precision(model)
+        self._before_fully_shard(model)
         ignored = ignored_module_list(model, plugin.ignored_modules)
         units = select_units(model, build_wrap_policy(plugin, model), ignored)
         if plugin.activation_checkpointing:
@@ -181,6 +182,9 @@ class FSDP2Strategy(Strategy):
             sharded.load_full_model_state(model, source)
             _broadcast_buffers(model)
         return model
+
+    def _before_fully_shard(self, model: nn.Module) -> None:
+        """Called on the placed model right before its units are sharded (tensor parallel goes here)."""
 
     def _fully_shard(self, model: nn.Module, units: list[nn.Module], ignored: list[nn.Module]) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -347,8 +351,8 @@ class FSDP2Strategy(Strategy):
             pending = record.unsharded_accumulated_grad
             if pending is None and hasattr(record, "_unsharded_param"):
                 pending = record._unsharded_param.grad
-            if pending is not None:
-                grads[name] = pending.detach().cpu().contiguous()
+            if pending is not None:  # under tensor parallel: this rank's TP slice of the unsharded gradient
+                grads[name] = _local(pending).detach().cpu().contiguous()
         for name, param in inner.named_parameters():
             if id(param) not in managed and param.grad is not None and not _is_dtensor(param.grad):
                 grads[name] = param.grad.detach().cpu().contiguous()
@@ -368,7 +372,13 @@ class FSDP2Strategy(Strategy):
         for name, grad in grads.items():
             if name in records:
                 record = records[name]
-                record.unsharded_accumulated_grad = grad.to(record.sharded_param.device)
+                grad = grad.to(record.sharded_param.device)
+                spec = getattr(record, "_unsharded_dtensor_spec", None)  # a tensor-parallel parameter
+                if spec is not None:
+                    from torch.distributed.tensor import DTensor
+
+                    grad = DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False)
+                record.unsharded_accumulated_grad = grad
             else:
                 params[name].grad = grad.to(params[name].device, dtype=params[name].dtype)
 
@@ -387,6 +397,11 @@ def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
         for record in group.fsdp_params if group is not None else ():
             found.append((names[id(record.sharded_param)], record))
     return found
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the tensor itself otherwise)."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined, no-any-return]
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -24,6 +24,7 @@ _add("hasten.utils.dataclasses", "AutocastKwargs", "ComputeEnvironment", "DataLo
      "PrecisionType", "ProfileKwargs", "ProjectConfiguration", "RNGType", "TorchDynamoPlugin")
 _add("hasten.utils.sizes", "convert_file_size_to_int")
 _add("hasten.config.plugins.fsdp", "FullyShardedDataParallelPlugin")
+_add("hasten.config.parallelism", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig")
 _add("hasten.checkpointing.dcp", "merge_fsdp_weights")
 _add("hasten.config.plugins.deepspeed", "DeepSpeedPlugin")
 _add("hasten.utils.deepspeed", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig")

@@ -1,0 +1,102 @@
+"""N-D parallelism on the Accelerator: ``parallelism_config``, ``torch_device_mesh``, ``maybe_context_parallel``.
+
+Data follows the mesh: ranks of one tensor/context-parallel group read the same batch, so data loaders
+are sharded over the data-parallel ranks only (:meth:`ParallelismMixin._data_parallel_position`), and
+``gather_for_metrics`` keeps one copy per data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hasten.accelerator._base import AcceleratorBase
+from hasten.connector import uses_nd_strategy
+from hasten.devices import select_device
+from hasten.environments import current_process_info
+
+
+def check_parallelism_sizes(config: Any, cpu: bool) -> None:
+    """Refuse a ``ParallelismConfig`` this run cannot use, before the process group is started.
+
+    Raises:
+        ConfigurationError: the sizes' product is not the number of processes, or a combination this
+            device cannot run (see ``ParallelismConfig.validate``).
+    """
+    if config is None:
+        return
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = current_process_info()[1].world_size
+    config.validate(world, device_type=select_device(cpu=cpu).name)
+
+
+def build_mesh(config: Any, strategy: Any) -> Any:
+    """The run's named ``DeviceMesh`` (None without a ``ParallelismConfig``, or with one process and no group)."""
+    if config is None:
+        return None
+    if uses_nd_strategy(config):
+        return strategy.world_mesh
+    if not dist.is_initialized():
+        return None
+    return config.build_device_mesh(strategy.device.type)
+
+
+class ParallelismMixin(AcceleratorBase):
+    """Accelerate's N-D members."""
+
+    @property
+    def parallelism_config(self) -> Any:
+        """The run's ``ParallelismConfig`` (None when not given)."""
+        return self._settings.parallelism_config
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The ``DeviceMesh`` named ``("dp_replicate", "dp_shard", "cp", "tp")`` (active dimensions), or None.
+
+        Flattened views: ``mesh["dp"]`` (every data-parallel rank), ``mesh["dp_shard_cp"]``, ``mesh["dp_cp"]``
+        where they span more than one dimension.
+        """
+        return self.state.device_mesh
+
+    def _data_parallel_position(self) -> tuple[int, int]:
+        """``(data-parallel size, this process's data-parallel rank)`` for sharding batches."""
+        config = self._settings.parallelism_config
+        if config is None:
+            return self.num_processes, self.process_index
+        return config.data_parallel_size, self.process_index // config.non_data_parallel_size
+
+    def _metrics_stride(self) -> int:
+        """Processes per data-parallel rank (they hold the same batch): gather keeps every ``stride``-th."""
+        config = self._settings.parallelism_config
+        return 1 if config is None else config.non_data_parallel_size
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
+                               buffer_seq_dims: list[int] | None = None,
+                               no_restore_buffers: set[torch.Tensor] | None = None) -> Iterator[None]:
+        """Split ``buffers`` along their sequence dimension over the ``cp`` ranks for the block (CP runs only).
+
+        Without context parallelism this does nothing. With it, PyTorch's ``context_parallel`` shards
+        the buffers in place (load-balanced) and makes ``scaled_dot_product_attention`` ring over the
+        ``cp`` ranks; buffers are restored afterwards except those in ``no_restore_buffers``.
+        """
+        config = self._settings.parallelism_config
+        if config is None or not config.cp_enabled:
+            yield
+            return
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        set_rotate_method(config.cp_handler.cp_comm_strategy)
+        with context_parallel(self.torch_device_mesh["cp"], buffers=buffers, buffer_seq_dims=buffer_seq_dims,
+                              no_restore_buffers=no_restore_buffers):
+            yield
+
+
+__all__ = ["ParallelismMixin", "build_mesh", "check_parallelism_sizes"]

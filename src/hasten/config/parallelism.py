@@ -1,0 +1,296 @@
+"""``ParallelismConfig``: the sizes of an N-D run (replicate x shard x context x tensor) and its ``DeviceMesh``.
+
+Accelerate's fields and dimension names. The mesh is laid out ``("dp_replicate", "dp_shard", "cp", "tp")``
+with the dimensions of size 1 left out, so tensor-parallel ranks are neighbours (fastest link) and
+replication is outermost (slowest link). Flattened views are added under Accelerate's names:
+``"dp"`` (replicate x shard: the data-parallel ranks), ``"dp_shard_cp"`` (what FSDP shards over) and
+``"dp_cp"`` (the ranks gradients are averaged over).
+
+Everything here is arithmetic on sizes, checked before any process group starts, except
+:meth:`ParallelismConfig.build_device_mesh`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hasten.exceptions import ConfigurationError
+
+#: Mesh dimensions, outermost first.
+MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
+#: Tensor-parallel styles a plan may name (``ParallelStyle`` objects are accepted too).
+TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
+_SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+
+
+@dataclass
+class TorchTensorParallelConfig:
+    """Tensor-parallel settings (``ParallelismConfig(tp_handler=...)``).
+
+    Args:
+        enable_async_tp: Accelerate's switch for asynchronous TP (CUDA only; refused elsewhere).
+        tp_plan: hasten's plain plan for any PyTorch model: module-name patterns (``*`` matches one
+            name component, ``nn.Sequential`` children are their indices) to ``"colwise"``,
+            ``"rowwise"``, ``"sequence_parallel"``, ``"replicate"`` or a ``ParallelStyle`` object.
+            When ``None``, the model's own transformers plan (``_tp_plan`` / ``base_model_tp_plan``) is used.
+
+    Example:
+        >>> TorchTensorParallelConfig(tp_plan={"layers.*.q_proj": "colwise", "layers.*.o_proj": "rowwise"})
+    """
+
+    enable_async_tp: bool = False
+    tp_plan: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tp_plan is None:
+            return
+        if not isinstance(self.tp_plan, Mapping) or not self.tp_plan:
+            raise ConfigurationError(f"tp_plan must be a non-empty dict of module-name pattern -> style, got "
+                                     f"{self.tp_plan!r}; e.g. {{'0': 'colwise', '2': 'rowwise'}}.")
+        for pattern, style in self.tp_plan.items():
+            if isinstance(style, str) and style not in TP_STYLES:
+                raise ConfigurationError(f"tp_plan[{pattern!r}] = {style!r} is not a tensor-parallel style: use one "
+                                         f"of {TP_STYLES} or a torch.distributed.tensor.parallel.ParallelStyle.")
+            if not isinstance(style, str) and not _is_parallel_style(style):
+                raise ConfigurationError(f"tp_plan[{pattern!r}] is a {type(style).__name__}: give a style name "
+                                         f"{TP_STYLES} or a ParallelStyle object.")
+
+
+@dataclass
+class TorchContextParallelConfig:
+    """Context-parallel settings (``ParallelismConfig(cp_handler=...)``).
+
+    Args:
+        cp_comm_strategy: how attention exchanges keys/values: ``"allgather"`` or ``"alltoall"``.
+    """
+
+    cp_comm_strategy: str = "allgather"
+
+    def __post_init__(self) -> None:
+        if self.cp_comm_strategy not in ("allgather", "alltoall"):
+            raise ConfigurationError(f"cp_comm_strategy={self.cp_comm_strategy!r}: choose 'allgather' or 'alltoall'.")
+
+
+@dataclass
+class ParallelismConfig:
+    """How the processes of a run are arranged: Accelerate's ``ParallelismConfig``.
+
+    Sizes left ``None`` are 1. Their product must equal the number of processes.
+
+    Args:
+        dp_replicate_size: full replicas (DDP, or the replicate dimension of HSDP).
+        dp_shard_size: processes each replica is sharded over (FSDP2).
+        tp_size: tensor-parallel degree.
+        cp_size: context-parallel degree (sequence split).
+        tp_handler: :class:`TorchTensorParallelConfig`.
+        cp_handler: :class:`TorchContextParallelConfig`.
+
+    Example:
+        >>> config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+        >>> config.total_size, config.active_mesh_dims
+        (4, ['dp_shard', 'tp'])
+    """
+
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
+    tp_handler: TorchTensorParallelConfig | None = None
+    cp_handler: TorchContextParallelConfig | None = None
+    device_mesh: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in _SIZE_FIELDS:
+            value = getattr(self, name)
+            value = 1 if value is None else value
+            if isinstance(value, bool) or not isinstance(value, int) and not str(value).isdigit():
+                raise ConfigurationError(f"ParallelismConfig {name}={value!r} must be a positive integer.")
+            if int(value) < 1:
+                raise ConfigurationError(f"ParallelismConfig {name}={value} must be at least 1.")
+            setattr(self, name, int(value))
+        if self.tp_size > 1 and self.tp_handler is None:
+            self.tp_handler = TorchTensorParallelConfig()
+        if self.cp_size > 1 and self.cp_handler is None:
+            self.cp_handler = TorchContextParallelConfig()
+        if self.tp_handler is not None and not isinstance(self.tp_handler, TorchTensorParallelConfig):
+            raise ConfigurationError(f"tp_handler must be a TorchTensorParallelConfig, got {type(self.tp_handler).__name__}.")
+        if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
+            raise ConfigurationError(f"cp_handler must be a TorchContextParallelConfig, got {type(self.cp_handler).__name__}.")
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS)
+        return f"ParallelismConfig({sizes})"
+
+    # --------------------------------------------------------------------------------- sizes
+    @property
+    def total_size(self) -> int:
+        """Processes the configuration needs: the product of every size."""
+        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size  # type: ignore[operator]
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different batches: ``dp_replicate_size * dp_shard_size``."""
+        return self.dp_replicate_size * self.dp_shard_size  # type: ignore[operator]
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that share one batch: ``tp_size * cp_size``."""
+        return self.tp_size * self.cp_size  # type: ignore[operator]
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate_size > 1  # type: ignore[operator]
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard_size > 1  # type: ignore[operator]
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp_size > 1  # type: ignore[operator]
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp_size > 1  # type: ignore[operator]
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are sharded (FSDP2/HSDP): a shard or context dimension exists."""
+        return self.dp_shard_enabled or self.cp_enabled
+
+    @property
+    def active_mesh_dims(self) -> list[str]:
+        """The mesh dimensions of size > 1, outermost first."""
+        return [name for name in MESH_ORDER if getattr(self, f"{name}_size") > 1]
+
+    @property
+    def mesh_dim_names(self) -> list[str]:
+        """The mesh's dimensions: the active ones plus ``dp_shard`` (size 1 when not sharding), outermost first.
+
+        ``dp_shard`` is always there so ``fully_shard`` has a data-parallel dimension to work on even for
+        tensor-parallel-only or DDP + TP runs.
+        """
+        return [name for name in MESH_ORDER if getattr(self, f"{name}_size") > 1 or name == "dp_shard"]
+
+    @property
+    def dp_dim_names(self) -> list[str]:
+        return [n for n in ("dp_replicate", "dp_shard") if n in self.mesh_dim_names]
+
+    @property
+    def non_dp_dim_names(self) -> list[str]:
+        return [n for n in ("cp", "tp") if n in self.mesh_dim_names]
+
+    @property
+    def dp_shard_cp_dim_names(self) -> list[str]:
+        return [n for n in ("dp_shard", "cp") if n in self.mesh_dim_names]
+
+    @property
+    def dp_cp_dim_names(self) -> list[str]:
+        return [n for n in ("dp_replicate", "dp_shard", "cp") if n in self.mesh_dim_names]
+
+    def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """``(names, sizes)`` of the mesh, outermost first."""
+        names = tuple(self.mesh_dim_names)
+        return names, tuple(getattr(self, f"{name}_size") for name in names)
+
+    def describe(self) -> str:
+        """One line for logs and ``hasten launch --dry_run``: the mesh and what each dimension does."""
+        names, sizes = self.mesh_shape()
+        shape = " x ".join(f"{n}={s}" for n, s in zip(names, sizes))
+        return f"DeviceMesh({shape}) over {self.total_size} processes; data-parallel size {self.data_parallel_size}"
+
+    # ------------------------------------------------------------------------------ validation
+    def validate(self, num_processes: int, *, device_type: str = "cpu") -> None:
+        """Refuse sizes this run cannot use, before any process group starts.
+
+        Raises:
+            ConfigurationError: the sizes' product differs from ``num_processes``, or a combination
+                PyTorch cannot run here (context parallel off CUDA, async TP off CUDA).
+        """
+        if self.total_size != num_processes:
+            product = " x ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS)
+            raise ConfigurationError(
+                f"ParallelismConfig needs {product} = {self.total_size} processes, but the run has {num_processes}. "
+                "Make the product of dp_replicate_size, dp_shard_size, tp_size and cp_size equal the number of "
+                "processes (`hasten launch --num_processes`).")
+        if self.cp_enabled and device_type != "cuda":
+            raise ConfigurationError(
+                f"cp_size={self.cp_size} needs CUDA: PyTorch's context parallel "
+                "(torch.distributed.tensor.experimental.context_parallel) rings attention through "
+                "scaled_dot_product_attention's flash/efficient/cuDNN kernels only; on the CPU, attention runs "
+                "aten._scaled_dot_product_flash_attention_for_cpu, which has no sharding strategy registered "
+                f"(NotImplementedError in torch {_torch_version()}). Use cp_size=1 on {device_type}.")
+        if self.tp_handler is not None and self.tp_handler.enable_async_tp and device_type != "cuda":
+            raise ConfigurationError("enable_async_tp needs CUDA (symmetric-memory collectives); turn it off on "
+                                     f"{device_type}.")
+
+    # ------------------------------------------------------------------------------------ mesh
+    def build_device_mesh(self, device_type: str) -> Any:
+        """Create the ``DeviceMesh`` (needs the process group) with the flattened data-parallel views."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names, sizes = self.mesh_shape()
+        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+        for flat, parts in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
+                            ("dp_cp", self.dp_cp_dim_names)):
+            if len(parts) > 1:
+                mesh[tuple(parts)]._flatten(flat)
+        self.device_mesh = mesh
+        return mesh
+
+    def get_device_mesh(self, device_type: str | None = None) -> Any:
+        """The mesh built before (``device_type`` builds it when there is none yet)."""
+        if self.device_mesh is None:
+            if device_type is None:
+                raise ConfigurationError("The device mesh is not built yet: pass device_type, or prepare a model first.")
+            self.build_device_mesh(device_type)
+        return self.device_mesh
+
+
+def submesh(mesh: Any, names: list[str]) -> Any:
+    """The (possibly flattened) sub-mesh of ``mesh`` for ``names`` (``None`` when ``names`` is empty)."""
+    if not names:
+        return None
+    if len(names) == 1:
+        return mesh[names[0]]
+    flat = {("dp_replicate", "dp_shard"): "dp", ("dp_shard", "cp"): "dp_shard_cp",
+            ("dp_replicate", "dp_shard", "cp"): "dp_cp"}.get(tuple(names))
+    return mesh[flat] if flat is not None else mesh[tuple(names)]
+
+
+def parallelism_config_from_launch(launch: Mapping[str, Any]) -> ParallelismConfig | None:
+    """The ``parallelism_config`` block of the launch configuration (``--parallelism_config_*``), or None."""
+    block = launch.get("parallelism_config") or {}
+    if not block:
+        return None
+    sizes: dict[str, Any] = {}
+    for key, value in block.items():
+        name = key.removeprefix("parallelism_config_")
+        if name in _SIZE_FIELDS:
+            sizes[name] = value
+        elif name == "tp_enable_async_tp" or name == "enable_async_tp":
+            sizes["tp_handler"] = TorchTensorParallelConfig(enable_async_tp=str(value).lower() in ("1", "true"))
+        elif name == "cp_comm_strategy":
+            sizes["cp_handler"] = TorchContextParallelConfig(cp_comm_strategy=str(value))
+        else:
+            raise ConfigurationError(f"Unknown parallelism_config key {key!r}: expected parallelism_config_"
+                                     f"{{{', '.join(_SIZE_FIELDS)}, cp_comm_strategy}}.")
+    return ParallelismConfig(**sizes)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def _is_parallel_style(style: Any) -> bool:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    return isinstance(style, ParallelStyle)
+
+
+__all__ = ["MESH_ORDER", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
+           "parallelism_config_from_launch", "submesh"]
