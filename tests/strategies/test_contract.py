@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, ParallelismConfig
-from hasten.utils import TorchTensorParallelConfig
 from hasten.exceptions import CheckpointError
 from hasten.state import reset_state
+from hasten.utils import TorchTensorParallelConfig
 
 LR = 0.1
 CLIP = 0.3  # small enough that clipping really acts on these gradients (checked below)

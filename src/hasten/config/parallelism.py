@@ -110,9 +110,9 @@ class ParallelismConfig:
             if int(value) < 1:
                 raise ConfigurationError(f"ParallelismConfig {name}={value} must be at least 1.")
             setattr(self, name, int(value))
-        if self.tp_size > 1 and self.tp_handler is None:
+        if (self.tp_size or 1) > 1 and self.tp_handler is None:
             self.tp_handler = TorchTensorParallelConfig()
-        if self.cp_size > 1 and self.cp_handler is None:
+        if (self.cp_size or 1) > 1 and self.cp_handler is None:
             self.cp_handler = TorchContextParallelConfig()
         if self.tp_handler is not None and not isinstance(self.tp_handler, TorchTensorParallelConfig):
             raise ConfigurationError(f"tp_handler must be a TorchTensorParallelConfig, got {type(self.tp_handler).__name__}.")

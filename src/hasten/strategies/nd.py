@@ -162,7 +162,7 @@ def to_parallel_styles(plan: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
+    styles: dict[str, Any] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
               "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
               "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate())}
     out = {}

@@ -1,0 +1,223 @@
+"""N-D parallelism: ParallelismConfig checks, TP plans, HSDP == DDP, data/metrics on the mesh, resharded resume.
+
+Ground truths: DDP on 4 ranks (HSDP must end with the same weights), a plain single-process model
+(TP logits), the uninterrupted run on the first mesh (resume on another mesh). Tolerance 1e-5: the
+runs differ only in how fp32 sums are split over ranks (~1e-7 relative per step), while a wrong
+shard, a missed all-reduce or a lost optimizer state moves these weights by >1e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch import nn
+
+from hasten import Accelerator, ParallelismConfig
+from hasten.checkpointing.dcp import merge_sharded_weights
+from hasten.config.parallelism import parallelism_config_from_launch
+from hasten.exceptions import ConfigurationError
+from hasten.state import reset_state
+from hasten.strategies.nd import check_tp_plan, resolve_tp_plan
+from hasten.utils import TorchContextParallelConfig, TorchTensorParallelConfig
+
+ATOL = 1e-5
+TP_PLAN = {"0": "colwise", "2": "rowwise"}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _config(replicate: int = 1, shard: int = 1, tp: int = 1) -> ParallelismConfig:
+    handler = TorchTensorParallelConfig(tp_plan=TP_PLAN) if tp > 1 else None
+    return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp, tp_handler=handler)
+
+
+def _batch(step: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    return torch.randn(size, 6, generator=g), torch.randn(size, 3, generator=g)
+
+
+def _train(accelerator: Accelerator, model: nn.Module, optimizer, steps: range) -> None:
+    """Each micro-step's global batch of 8, split over the data-parallel ranks (TP ranks share theirs)."""
+    dp_size, dp_rank = accelerator._data_parallel_position()
+    for step in steps:
+        x, y = _batch(step)
+        part = len(x) // dp_size
+        x, y = x[dp_rank * part:(dp_rank + 1) * part], y[dp_rank * part:(dp_rank + 1) * part]
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _prepared(config: ParallelismConfig, **kwargs):
+    reset_state()
+    accelerator = Accelerator(cpu=True, parallelism_config=config, **kwargs)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05))
+    return accelerator, model, optimizer
+
+
+def _full(accelerator: Accelerator, model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in accelerator.get_state_dict(model).items()}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys() and a
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# ----------------------------------------------------------------------------- config, no ranks
+def test_sizes_default_to_one_and_name_the_mesh_as_accelerate_does():
+    config = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2)
+    assert (config.total_size, config.data_parallel_size, config.non_data_parallel_size) == (8, 4, 2)
+    assert config.mesh_shape() == (("dp_replicate", "dp_shard", "tp"), (2, 2, 2))
+    assert ParallelismConfig(tp_size=2).mesh_shape() == (("dp_shard", "tp"), (1, 2))  # FSDP2 needs a dp dim
+    assert ParallelismConfig(cp_size=2, dp_shard_size=2).dp_shard_cp_dim_names == ["dp_shard", "cp"]
+    assert isinstance(ParallelismConfig(tp_size=2).tp_handler, TorchTensorParallelConfig)
+    assert "dp_shard=2 x tp=2" in ParallelismConfig(dp_shard_size=2, tp_size=2).describe()
+
+
+def test_bad_sizes_and_styles_are_refused_with_the_arithmetic():
+    with pytest.raises(ConfigurationError, match=r"dp_replicate_size=1 x dp_shard_size=2 x tp_size=2 x cp_size=1 = 4 "
+                                                 r"processes, but the run has 3"):
+        ParallelismConfig(dp_shard_size=2, tp_size=2).validate(3)
+    with pytest.raises(ConfigurationError, match="tp_size=0 must be at least 1"):
+        ParallelismConfig(tp_size=0)
+    with pytest.raises(ConfigurationError, match="'diagonal' is not a tensor-parallel style"):
+        TorchTensorParallelConfig(tp_plan={"0": "diagonal"})
+    with pytest.raises(ConfigurationError, match="cp_comm_strategy"):
+        TorchContextParallelConfig(cp_comm_strategy="ring")
+    with pytest.raises(ConfigurationError, match="cp_size=2 needs CUDA.*flash/efficient/cuDNN"):
+        ParallelismConfig(dp_shard_size=2, cp_size=2).validate(4, device_type="cpu")
+    ParallelismConfig(dp_shard_size=2, cp_size=2).validate(4, device_type="cuda")  # the sizes themselves are fine
+
+
+def test_a_wrong_product_fails_before_any_process_group_starts():
+    reset_state()
+    with pytest.raises(ConfigurationError, match="= 4 processes, but the run has 1"):
+        Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+    assert not dist.is_initialized()
+
+
+def test_the_launch_configuration_block_builds_the_config():
+    config = parallelism_config_from_launch({"parallelism_config": {
+        "parallelism_config_dp_shard_size": "2", "parallelism_config_tp_size": 2,
+        "parallelism_config_cp_comm_strategy": "alltoall"}})
+    assert (config.dp_shard_size, config.tp_size, config.cp_handler.cp_comm_strategy) == (2, 2, "alltoall")
+    assert parallelism_config_from_launch({}) is None
+    with pytest.raises(ConfigurationError, match="Unknown parallelism_config key 'parallelism_config_pp_size'"):
+        parallelism_config_from_launch({"parallelism_config": {"parallelism_config_pp_size": 2}})
+
+
+def test_tp_plans_expand_patterns_and_check_divisibility():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.o_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([Block(), Block()])
+    plan = resolve_tp_plan(model, ParallelismConfig(tp_size=2, tp_handler=TorchTensorParallelConfig(
+        tp_plan={"layers.*.q_proj": "colwise", "layers.*.o_proj": "rowwise"})))
+    assert plan == {"layers.0.q_proj": "colwise", "layers.1.q_proj": "colwise",
+                    "layers.0.o_proj": "rowwise", "layers.1.o_proj": "rowwise"}
+    with pytest.raises(ConfigurationError, match="'layers.*.k_proj' matches no module"):
+        resolve_tp_plan(model, ParallelismConfig(tp_size=2, tp_handler=TorchTensorParallelConfig(
+            tp_plan={"layers.*.k_proj": "colwise"})))
+    with pytest.raises(ConfigurationError, match=r"does not divide layer 'layers.0.q_proj'.*out_features is 8.*8 % 3 = 2"):
+        check_tp_plan(model, plan, 3)
+    with pytest.raises(ConfigurationError, match="has no tensor-parallel plan"):
+        resolve_tp_plan(_model(), ParallelismConfig(tp_size=2))
+
+
+def test_a_transformers_model_brings_its_own_plan():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    plan = resolve_tp_plan(model, ParallelismConfig(tp_size=2))
+    assert plan["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.1.self_attn.o_proj"] == "rowwise"
+    assert plan["model.layers.1.mlp.down_proj"] == "rowwise"
+    check_tp_plan(model, plan, 2)  # every split width of this model is even
+
+
+# ------------------------------------------------------------------------------ 4 gloo ranks
+@pytest.mark.world_size(4, timeout=400)
+def test_hsdp_matches_ddp_and_tp_matches_one_process(tmp_path):
+    # DDP on 4 ranks (plain replication) is the ground truth for HSDP 2x2, with accumulation over 2 micro-steps.
+    runs = {}
+    for name, config in (("ddp", _config(replicate=4)), ("hsdp", _config(replicate=2, shard=2))):
+        accelerator, model, optimizer = _prepared(config, gradient_accumulation_steps=2)
+        _train(accelerator, model, optimizer, range(4))
+        runs[name] = _full(accelerator, model)
+        if name == "hsdp":
+            mesh = accelerator.torch_device_mesh
+            assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard") and mesh["dp"].size() == 4
+    if dist.get_rank() == 0:
+        assert _max_diff(runs["hsdp"], runs["ddp"]) < ATOL
+
+    # TP 2 (with 2 replicas) and FSDP2 + TP 2x2: logits and weights equal a plain single-process run.
+    plain = _model()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = _batch(step)
+        nn.functional.mse_loss(plain(x), y).backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+    probe = _batch(99)[0]
+    for config in (_config(replicate=2, tp=2), _config(shard=2, tp=2)):
+        accelerator, model, optimizer = _prepared(config)
+        assert accelerator.torch_device_mesh["tp"].size() == 2
+        _train(accelerator, model, optimizer, range(3))
+        with torch.no_grad():
+            logits = model(probe)
+        assert (logits - plain(probe).detach()).abs().max().item() < ATOL, config
+        weights = _full(accelerator, model)
+        if dist.get_rank() == 0:
+            assert _max_diff(weights, {k: v.detach() for k, v in plain.state_dict().items()}) < ATOL, config
+
+
+@pytest.mark.world_size(4, timeout=400)
+def test_data_follows_the_mesh_and_metrics_gather_each_sample_once():
+    accelerator, model, optimizer = _prepared(_config(shard=2, tp=2))
+    assert (accelerator.num_processes, accelerator._data_parallel_position()) == (4, (2, dist.get_rank() // 2))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(10).float(), batch_size=2))
+    seen, gathered = [], []
+    for batch in loader:
+        seen.append(batch)
+        gathered.append(accelerator.gather_for_metrics(batch))
+    mine = torch.cat(seen)
+    everyone = [torch.empty_like(mine) for _ in range(4)]
+    dist.all_gather(everyone, mine)
+    assert torch.equal(everyone[0], everyone[1]) and torch.equal(everyone[2], everyone[3])  # TP pairs share
+    assert not torch.equal(everyone[0], everyone[2])  # the two data-parallel ranks do not
+    assert sorted(torch.cat(gathered).tolist()) == [float(i) for i in range(10)]  # once each, padding dropped
+
+
+@pytest.mark.world_size(4, timeout=400)
+def test_save_on_one_mesh_load_on_another_continue_and_merge(tmp_path):
+    folder = tmp_path / "ckpt"
+    accelerator, model, optimizer = _prepared(_config(shard=4))
+    _train(accelerator, model, optimizer, range(2))
+    accelerator.save_state(folder)
+    at_save = _full(accelerator, model)
+    _train(accelerator, model, optimizer, range(2, 4))
+    uninterrupted = _full(accelerator, model)
+
+    accelerator, model, optimizer = _prepared(_config(shard=2, tp=2))  # another mesh: weights and Adam state reshard
+    accelerator.load_state(folder)
+    _train(accelerator, model, optimizer, range(2, 4))
+    resumed = _full(accelerator, model)
+    if dist.get_rank() == 0:
+        assert _max_diff(resumed, uninterrupted) < ATOL
+        merged = merge_sharded_weights(folder, tmp_path / "merged")
+        plain = _model()
+        plain.load_state_dict(load_file(str(merged[0])))  # a plain single-process model loads it
+        assert _max_diff({k: v.detach() for k, v in plain.state_dict().items()}, at_save) == 0.0
+    accelerator.wait_for_everyone()
