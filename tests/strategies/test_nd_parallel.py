@@ -8,6 +8,8 @@ shard, a missed all-reduce or a lost optimizer state moves these weights by >1e-
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -114,6 +116,26 @@ def test_the_launch_configuration_block_builds_the_config():
         parallelism_config_from_launch({"parallelism_config": {"parallelism_config_pp_size": 2}})
 
 
+def test_hasten_launch_shows_the_mesh_and_refuses_a_wrong_product_before_starting(tmp_path):
+    from hasten.commands.launch import build_launch_parser, overrides_from_args, resolve_config
+    from hasten.launchers.plan import LaunchOptions, build_plan
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    parser = build_launch_parser(argparse.ArgumentParser())
+
+    def plan(*flags: str):
+        args = parser.parse_args(["--cpu", *flags, str(script)])
+        assert overrides_from_args(args)["parallelism_config"]
+        return build_plan(resolve_config(args, {}), LaunchOptions(script=str(script)), {}, device_count=0)
+
+    described = plan("--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2").describe()
+    assert "processes:     4" in described  # taken from the mesh when --num_processes is not given
+    assert "device mesh:   DeviceMesh(dp_shard=2 x tp=2) over 4 processes" in described
+    with pytest.raises(ConfigurationError, match="= 4 processes, but the run has 3"):
+        plan("--num_processes", "3", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2")
+
+
 def test_tp_plans_expand_patterns_and_check_divisibility():
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -174,6 +196,8 @@ def test_hsdp_matches_ddp_and_tp_matches_one_process(tmp_path):
     for config in (_config(replicate=2, tp=2), _config(shard=2, tp=2)):
         accelerator, model, optimizer = _prepared(config)
         assert accelerator.torch_device_mesh["tp"].size() == 2
+        weight = model[0].weight  # really split: a DTensor on a mesh with "tp", holding a quarter/half of (16, 6)
+        assert "tp" in weight.device_mesh.mesh_dim_names and weight.to_local().numel() < 16 * 6
         _train(accelerator, model, optimizer, range(3))
         with torch.no_grad():
             logits = model(probe)

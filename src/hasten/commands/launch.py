@@ -55,6 +55,11 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
         "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
         "fsdp_backward_prefetch", "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
         "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_activation_checkpointing")),
+    *((f"--parallelism_config_{key}", f"parallelism_config_{key}", "parallelism_config", {"type": int},
+       f"N-D parallelism: {key} (the sizes' product is the number of processes).")
+      for key in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")),
+    ("--parallelism_config_cp_comm_strategy", "parallelism_config_cp_comm_strategy", "parallelism_config",
+     {"choices": ["allgather", "alltoall"]}, "N-D parallelism: how context parallel exchanges keys/values."),
     ("--num_cpu_threads_per_process", None, None, {"type": int}, "OMP_NUM_THREADS of each worker."),
     ("--rdzv_conf", None, None, {"default": ""}, "Extra rendezvous settings: key=value,key2=value2."),
     ("--max_restarts", None, None, {"type": int, "default": 0}, "Restart the worker group up to N times."),

@@ -202,8 +202,10 @@ class ParallelismConfig:
         return f"DeviceMesh({shape}) over {self.total_size} processes; data-parallel size {self.data_parallel_size}"
 
     # ------------------------------------------------------------------------------ validation
-    def validate(self, num_processes: int, *, device_type: str = "cpu") -> None:
+    def validate(self, num_processes: int, *, device_type: str | None = "cpu") -> None:
         """Refuse sizes this run cannot use, before any process group starts.
+
+        ``device_type=None`` (``hasten launch``, which does not know the workers' device) checks the sizes only.
 
         Raises:
             ConfigurationError: the sizes' product differs from ``num_processes``, or a combination
@@ -215,6 +217,8 @@ class ParallelismConfig:
                 f"ParallelismConfig needs {product} = {self.total_size} processes, but the run has {num_processes}. "
                 "Make the product of dp_replicate_size, dp_shard_size, tp_size and cp_size equal the number of "
                 "processes (`hasten launch --num_processes`).")
+        if device_type is None:
+            return
         if self.cp_enabled and device_type != "cuda":
             raise ConfigurationError(
                 f"cp_size={self.cp_size} needs CUDA: PyTorch's context parallel "

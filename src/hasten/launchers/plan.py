@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hasten.config.env import launch_config_to_env
+from hasten.config.parallelism import parallelism_config_from_launch
 from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError
 
@@ -62,6 +63,7 @@ class LaunchPlan:
     rdzv_backend: str = "static"
     rdzv_conf: str = ""
     notes: list[str] = field(default_factory=list)
+    mesh: str | None = None
 
     @property
     def num_processes(self) -> int:
@@ -80,6 +82,8 @@ class LaunchPlan:
                          + (f" ({self.rdzv_conf})" if self.rdzv_conf else ""))
         lines.append("worker environment (besides torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...):")
         lines.extend(f"  {key}={value}" for key, value in sorted(self.env.items()))
+        if self.mesh is not None:
+            lines.append(f"device mesh:   {self.mesh}")
         lines.append(f"command:       {shlex.join(self.command)}")
         lines.extend(f"note:          {note}" for note in self.notes)
         return "\n".join(lines)
@@ -249,6 +253,9 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     from hasten.launchers.slurm import apply_slurm, slurm_step_info
 
     check_engine_available(config)
+    parallelism = parallelism_config_from_launch(config.to_launch_dict())
+    if parallelism is not None and config.num_processes is None:  # the mesh says how many processes
+        config = dataclasses.replace(config, num_processes=parallelism.total_size)
     command = worker_command(options)
     slurm_task = False
     info = slurm_step_info(env)
@@ -256,6 +263,8 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
         config, slurm_task = apply_slurm(config, info)
     config = resolve_processes(config, local_device_count(env) if device_count is None else device_count)
     config.validate("the launch settings")
+    if parallelism is not None:  # refused here, before any worker starts
+        parallelism.validate(config.num_processes, device_type="cpu" if config.use_cpu else None)  # type: ignore[arg-type]
     hostfile = config.mpirun_config.get("mpirun_hostfile")
     if options.use_mpi or hostfile:
         launcher = "mpirun"
@@ -285,7 +294,8 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     plan = LaunchPlan(launcher=launcher, config=config, command=command, env=variables, nproc_per_node=nproc,
                       nnodes=config.num_machines, node_rank=config.machine_rank, master_addr=addr,
                       master_port=port or DEFAULT_PORT, rdzv_backend=backend,
-                      rdzv_conf=_rdzv_conf(config, options.rdzv_conf), notes=notes)
+                      rdzv_conf=_rdzv_conf(config, options.rdzv_conf), notes=notes,
+                      mesh=parallelism.describe() if parallelism is not None else None)
     if launcher == "slurm-task":
         plan.nproc_per_node, plan.nnodes = 1, config.num_processes  # type: ignore[assignment]
         plan.node_rank = 0
