@@ -158,3 +158,13 @@ def test_notebook_launch(tmp_path, processes):
                           env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(rf"^epoch 0: accuracy [0-9.]+ on {processes} process\(es\)$", done.stdout, re.MULTILINE)
+
+
+@pytest.mark.launch
+def test_nd_parallel_fsdp2_x_tp_on_four_processes(tmp_path):
+    out = run_feature("nd_parallel.py", "--tp_size", "2", "--dp_shard_size", "2", "--num_epochs", "1", cwd=tmp_path,
+                      processes=4, launch_args=("--cpu", "--num_processes", "4"), timeout=400)
+    assert "mesh {'dp_shard': 2, 'tp': 2} over 4 processes" in out
+    accuracy, total = re.search(r"sequence accuracy ([0-9.]+) over (\d+) held-out sequences", out).groups()
+    assert int(total) == 100  # the TP pairs' duplicate batches are not counted twice
+    assert float(accuracy) >= 0.9  # the counting task is learnt in one epoch (single process: 1.000)
