@@ -245,3 +245,28 @@ def test_save_on_one_mesh_load_on_another_continue_and_merge(tmp_path):
         plain.load_state_dict(load_file(str(merged[0])))  # a plain single-process model loads it
         assert _max_diff({k: v.detach() for k, v in plain.state_dict().items()}, at_save) == 0.0
     accelerator.wait_for_everyone()
+
+
+@pytest.mark.world_size(2, timeout=300)
+def test_context_parallel_mesh_and_sequence_split_on_cpu_and_why_attention_is_refused():
+    """What can run on the CPU: the cp mesh and PyTorch's load-balanced sequence split; attention cannot."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    config = ParallelismConfig(cp_size=2)
+    assert (config.data_parallel_size, config.non_data_parallel_size) == (1, 2)  # both ranks read the same batch
+    mesh = config.build_device_mesh("cpu")
+    assert mesh.mesh_dim_names == ("dp_shard", "cp") and mesh["cp"].size() == 2
+    tokens = torch.arange(16.0).view(1, 1, 16, 1).repeat(1, 2, 1, 4)  # (batch, heads, seq, head_dim)
+    original = tokens.clone()
+    with context_parallel(mesh["cp"], buffers=[tokens], buffer_seq_dims=[2]):
+        # load balancing for causal attention: rank r holds chunks r and 3 - r of 4
+        rank = dist.get_rank()
+        expected = torch.cat([original[:, :, 4 * rank:4 * rank + 4], original[:, :, 4 * (3 - rank):4 * (4 - rank)]], 2)
+        assert torch.equal(tokens, expected)
+        with pytest.raises(NotImplementedError, match="_scaled_dot_product_flash_attention_for_cpu"):
+            F.scaled_dot_product_attention(tokens, tokens, tokens, is_causal=True)
+        (whole,) = context_parallel_unshard(mesh["cp"], [tokens], [2])
+        assert torch.equal(whole, original)
+    assert torch.equal(tokens, original)  # restored after the block
