@@ -26,7 +26,14 @@ On gloo, all-gather and reduce-scatter are slower per byte than all-reduce (meas
 all-reduce 31 ms, all-gather 46 ms, reduce-scatter 61 ms), and FSDP2 moves ~1.5x DDP's bytes, so
 sharding costs time on CPU; it buys the memory column. On GPUs (NCCL) the balance differs.
 
+N-D rows (``--nd``): 4 gloo ranks, the same model and batch per data-parallel rank; DDP on 4 ranks is
+the baseline, then FSDP2 (shard 4), HSDP (2 replicas x 2 shards), DDP x TP (2 x 2) and FSDP2 x TP
+(2 x 2), TP splitting each Block's ``up`` by columns and ``down`` by rows. The state column shows
+the sharding (ideal: total / (shard x tp) for the split parameters). No Accelerate rows: this
+project's environment does not install Accelerate (its 2-rank rows are skipped for the same reason).
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_sharded.py --repeats 3
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_sharded.py --nd --repeats 1 --steps 5
 """
 
 from __future__ import annotations
@@ -151,7 +158,9 @@ def _loop(accelerator: Any, steps: int, memory_run: bool) -> tuple[float, float,
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
         _trim()  # give freed memory (the unsharded copy) back, so RSS shows what training keeps
-        g = torch.Generator().manual_seed(accelerator.process_index)
+        # One batch per data-parallel rank: the ranks of a tensor-parallel group must compute on the same one.
+        position = getattr(accelerator, "_data_parallel_position", None)
+        g = torch.Generator().manual_seed(position()[1] if position else accelerator.process_index)
         x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, 1, generator=g)
         for step in range(WARMUP + steps):
             if step == WARMUP:
@@ -188,6 +197,23 @@ def hasten_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float, f
                "fsdp2-keep": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"],
                                                             reshard_after_forward=False)}
     return _loop(Accelerator(fsdp_plugin=plugins[kind]), steps, memory_run)
+
+
+#: N-D setups on 4 ranks: (dp_replicate, dp_shard, tp).
+ND_SETUPS = {"ddp x4": (4, 1, 1), "fsdp2 x4": (1, 4, 1), "hsdp 2x2": (2, 2, 1), "ddp x tp 2x2": (2, 1, 2),
+             "fsdp2 x tp 2x2": (1, 2, 2)}
+
+
+def hasten_nd_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float, float]:
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.utils import TorchTensorParallelConfig
+
+    replicate, shard, tp = ND_SETUPS[kind]
+    if (replicate, shard, tp) == (4, 1, 1):
+        return _loop(Accelerator(), steps, memory_run)  # plain DDP, the baseline
+    plan = TorchTensorParallelConfig(tp_plan={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}) if tp > 1 else None
+    config = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp, tp_handler=plan)
+    return _loop(Accelerator(parallelism_config=config), steps, memory_run)
 
 
 def accelerate_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float, float]:
@@ -227,9 +253,10 @@ def _accelerate_deepspeed_run(kind: str, steps: int, memory_run: bool) -> tuple[
     return (*result, mismatch) if mismatch else result
 
 
-def _measure(fn: Callable[..., tuple[float, float, float]], kind: str, steps: int, memory_run: bool = False) -> Any:
+def _measure(fn: Callable[..., tuple[float, float, float]], kind: str, steps: int, memory_run: bool = False,
+             world_size: int = 2) -> Any:
     try:
-        return run_on_ranks(fn, world_size=2, args=(kind, steps, memory_run), timeout=600)[0]
+        return run_on_ranks(fn, world_size=world_size, args=(kind, steps, memory_run), timeout=600)[0]
     except Exception as exc:  # a framework that cannot run this setup is reported, not fatal
         last = str(exc).strip().splitlines()[-1]
         return last[last.index("not run"):] if "not run:" in last else f"failed: {last[:300]}"
@@ -251,7 +278,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--nd", action="store_true", help="The N-D rows on 4 ranks instead.")
     args = parser.parse_args()
+    if args.nd:
+        nd_main(args.repeats, args.steps)
+        return
     setups: dict[str, tuple[Callable[..., Any], str]] = {
         "hasten ddp": (hasten_run, "ddp"), "hasten fsdp2": (hasten_run, "fsdp2"),
         "hasten fsdp2 (no reshard)": (hasten_run, "fsdp2-keep")}
@@ -288,6 +319,25 @@ def main() -> None:
         print(f"  {name:28s} {ms:8.2f} {ms / base:6.2f}x {state:9.1f} {state / base_state:6.2f}x {peak:12.1f}")
         if len(runs[0]) > 3:  # a setup that ran, but not as a consistent 2-process run of its library
             print(f"  {'':28s} ({runs[0][3]}: DeepSpeed trained on both ranks, Accelerate's own counts are wrong)")
+
+
+def nd_main(repeats: int, steps: int) -> None:
+    """The N-D rows: 4 ranks, step time and per-rank state vs DDP on 4 ranks."""
+    results: dict[str, list[Any]] = {name: [] for name in ND_SETUPS}
+    for _ in range(repeats):
+        for name in ND_SETUPS:
+            results[name].append(_measure(hasten_nd_run, name, steps, world_size=4))
+    ok = {name: runs for name, runs in results.items() if all(isinstance(r, tuple) for r in runs)}
+    base, base_state = (statistics.median(r[i] for r in ok["ddp x4"]) for i in range(2))
+    print(f"\n4 gloo ranks, {sum(p.numel() for p in Stack().parameters()) / 1e6:.1f}M parameters, AdamW, batch {BATCH} "
+          f"per data-parallel rank, {steps} steps, median of {repeats} runs (rank 0):")
+    print(f"  {'setup':28s} {'ms/step':>8s} {'vs ddp':>7s} {'state MB':>9s} {'vs ddp':>7s}")
+    for name, runs in results.items():
+        if name not in ok:
+            print(f"  {name:28s} {next(r for r in runs if isinstance(r, str))}")
+            continue
+        ms, state = (statistics.median(r[i] for r in runs) for i in range(2))
+        print(f"  {name:28s} {ms:8.2f} {ms / base:6.2f}x {state:9.1f} {state / base_state:6.2f}x")
 
 
 if __name__ == "__main__":

@@ -270,3 +270,16 @@ def test_context_parallel_mesh_and_sequence_split_on_cpu_and_why_attention_is_re
         (whole,) = context_parallel_unshard(mesh["cp"], [tokens], [2])
         assert torch.equal(whole, original)
     assert torch.equal(tokens, original)  # restored after the block
+
+
+@pytest.mark.world_size(2, timeout=300)
+def test_tp_size_not_dividing_a_layer_is_one_clear_error_on_every_rank():
+    reset_state()
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(
+        tp_size=2, tp_handler=TorchTensorParallelConfig(tp_plan={"0": "colwise", "2": "rowwise"})))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 15), nn.Tanh(), nn.Linear(15, 3))
+    with pytest.raises(ConfigurationError, match=r"tp_size=2 does not divide layer '0'.*out_features is 15"):
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not hasattr(model[0].weight, "device_mesh")  # nothing was split
+    accelerator.wait_for_everyone()  # every rank raised and is still in step
