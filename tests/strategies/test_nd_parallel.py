@@ -9,6 +9,7 @@ shard, a missed all-reduce or a lost optimizer state moves these weights by >1e-
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -97,6 +98,22 @@ def test_bad_sizes_and_styles_are_refused_with_the_arithmetic():
     with pytest.raises(ConfigurationError, match="cp_size=2 needs CUDA.*flash/efficient/cuDNN"):
         ParallelismConfig(dp_shard_size=2, cp_size=2).validate(4, device_type="cpu")
     ParallelismConfig(dp_shard_size=2, cp_size=2).validate(4, device_type="cuda")  # the sizes themselves are fine
+
+
+def test_accelerates_other_fields_and_launch_defaults(monkeypatch):
+    with pytest.raises(ConfigurationError, match="sp_size=2: DeepSpeed-Ulysses sequence parallelism is not available"):
+        ParallelismConfig(sp_size=2)
+    with pytest.raises(ConfigurationError, match="cp_backend='ring'"):
+        ParallelismConfig(cp_backend="ring")
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    assert (config.cp_backend, config.sp_backend, config.sp_size) == ("torch", "deepspeed", 1)
+    assert '"tp_size": 2' in config.to_json() and config.fsdp_dim_names == ["dp_shard_cp"]
+    # Sizes left None come from `hasten launch --parallelism_config_*` (HASTEN_LAUNCH_CONFIG), as Accelerate's env.
+    monkeypatch.setenv("HASTEN_LAUNCH_CONFIG", json.dumps({"parallelism_config": {
+        "parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2}}))
+    launched = ParallelismConfig()
+    assert (launched.dp_shard_size, launched.tp_size, launched.dp_replicate_size) == (2, 2, 1)
+    assert ParallelismConfig(tp_size=4).dp_shard_size == 2  # explicit values win, the rest is filled in
 
 
 def test_a_wrong_product_fails_before_any_process_group_starts():

@@ -33,6 +33,8 @@ def check_parallelism_sizes(config: Any, cpu: bool) -> None:
         world = dist.get_world_size()
     else:
         world = current_process_info()[1].world_size
+    if config.total_size == 1 and world > 1:  # as in Accelerate: no sizes on several processes is DDP over all
+        config._set_size("dp_replicate", world)
     config.validate(world, device_type=select_device(cpu=cpu).name)
 
 

@@ -12,6 +12,8 @@ Everything here is arithmetic on sizes, checked before any process group starts,
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +24,7 @@ from hasten.exceptions import ConfigurationError
 MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
 #: Tensor-parallel styles a plan may name (``ParallelStyle`` objects are accepted too).
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
-_SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+_SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 
 
 @dataclass
@@ -75,17 +77,23 @@ class TorchContextParallelConfig:
 
 @dataclass
 class ParallelismConfig:
-    """How the processes of a run are arranged: Accelerate's ``ParallelismConfig``.
+    """How the processes of a run are arranged: Accelerate's ``ParallelismConfig`` (same fields, same order).
 
-    Sizes left ``None`` are 1. Their product must equal the number of processes.
+    Sizes left ``None`` come from ``hasten launch --parallelism_config_*`` (or the config file's
+    ``parallelism_config`` block) when the script was launched with them, else 1. Their product must
+    equal the number of processes; all 1 on several processes means DDP over all of them.
 
     Args:
         dp_replicate_size: full replicas (DDP, or the replicate dimension of HSDP).
         dp_shard_size: processes each replica is sharded over (FSDP2).
         tp_size: tensor-parallel degree.
-        cp_size: context-parallel degree (sequence split).
-        tp_handler: :class:`TorchTensorParallelConfig`.
+        cp_size: context-parallel degree (sequence split; CUDA only).
+        cp_backend: ``"torch"`` (the only context-parallel backend).
+        sp_size: DeepSpeed-Ulysses sequence parallelism: not available in hasten (refused above 1).
+        sp_backend: ``"deepspeed"`` (kept for compatibility).
+        tp_handler: :class:`TorchTensorParallelConfig` (hasten adds its ``tp_plan``).
         cp_handler: :class:`TorchContextParallelConfig`.
+        sp_handler: kept for compatibility (``sp_size`` is refused above 1).
 
     Example:
         >>> config = ParallelismConfig(dp_shard_size=2, tp_size=2)
@@ -97,37 +105,59 @@ class ParallelismConfig:
     dp_shard_size: int | None = None
     tp_size: int | None = None
     cp_size: int | None = None
+    cp_backend: str | None = None
+    sp_size: int | None = None
+    sp_backend: str | None = None
     tp_handler: TorchTensorParallelConfig | None = None
     cp_handler: TorchContextParallelConfig | None = None
+    sp_handler: Any = None
     device_mesh: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        launched = _launch_block()
         for name in _SIZE_FIELDS:
             value = getattr(self, name)
-            value = 1 if value is None else value
+            value = launched.get(name, 1) if value is None else value
             if isinstance(value, bool) or not isinstance(value, int) and not str(value).isdigit():
                 raise ConfigurationError(f"ParallelismConfig {name}={value!r} must be a positive integer.")
             if int(value) < 1:
                 raise ConfigurationError(f"ParallelismConfig {name}={value} must be at least 1.")
             setattr(self, name, int(value))
+        self.cp_backend = self.cp_backend or "torch"
+        self.sp_backend = self.sp_backend or "deepspeed"
+        if self.cp_backend != "torch":
+            raise ConfigurationError(f"cp_backend={self.cp_backend!r}: the only context-parallel backend is 'torch'.")
+        if (self.sp_size or 1) > 1:
+            raise ConfigurationError(
+                f"sp_size={self.sp_size}: DeepSpeed-Ulysses sequence parallelism is not available in hasten. Split "
+                "long sequences with context parallelism (cp_size, on CUDA) instead, or use sp_size=1.")
         if (self.tp_size or 1) > 1 and self.tp_handler is None:
-            self.tp_handler = TorchTensorParallelConfig()
+            self.tp_handler = launched.get("tp_handler") or TorchTensorParallelConfig()
         if (self.cp_size or 1) > 1 and self.cp_handler is None:
-            self.cp_handler = TorchContextParallelConfig()
+            self.cp_handler = launched.get("cp_handler") or TorchContextParallelConfig()
         if self.tp_handler is not None and not isinstance(self.tp_handler, TorchTensorParallelConfig):
             raise ConfigurationError(f"tp_handler must be a TorchTensorParallelConfig, got {type(self.tp_handler).__name__}.")
         if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
             raise ConfigurationError(f"cp_handler must be a TorchContextParallelConfig, got {type(self.cp_handler).__name__}.")
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS)
+        sizes = ", ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS[:4])
         return f"ParallelismConfig({sizes})"
+
+    def to_json(self) -> str:
+        """The sizes, backends and handlers (as dicts) as JSON; the mesh is left out."""
+        data = {key: (dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value)
+                for key, value in vars(self).items() if key != "device_mesh"}
+        return json.dumps(data, default=repr)
+
+    def _set_size(self, parallelism: str, size: int) -> None:
+        setattr(self, f"{parallelism}_size", size)
 
     # --------------------------------------------------------------------------------- sizes
     @property
     def total_size(self) -> int:
         """Processes the configuration needs: the product of every size."""
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size  # type: ignore[operator]
+        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size * self.sp_size  # type: ignore[operator]
 
     @property
     def data_parallel_size(self) -> int:
@@ -156,6 +186,10 @@ class ParallelismConfig:
         return self.cp_size > 1  # type: ignore[operator]
 
     @property
+    def sp_enabled(self) -> bool:
+        return self.sp_size > 1  # type: ignore[operator]
+
+    @property
     def fsdp_enabled(self) -> bool:
         """Parameters are sharded (FSDP2/HSDP): a shard or context dimension exists."""
         return self.dp_shard_enabled or self.cp_enabled
@@ -180,7 +214,8 @@ class ParallelismConfig:
 
     @property
     def non_dp_dim_names(self) -> list[str]:
-        return [n for n in ("cp", "tp") if n in self.mesh_dim_names]
+        """Dimensions whose ranks share one batch (Accelerate's order)."""
+        return [n for n in ("tp", "cp") if n in self.mesh_dim_names]
 
     @property
     def dp_shard_cp_dim_names(self) -> list[str]:
@@ -189,6 +224,11 @@ class ParallelismConfig:
     @property
     def dp_cp_dim_names(self) -> list[str]:
         return [n for n in ("dp_replicate", "dp_shard", "cp") if n in self.mesh_dim_names]
+
+    @property
+    def fsdp_dim_names(self) -> list[str]:
+        """What ``fully_shard`` gets: ``dp_replicate`` (HSDP) and the flattened ``dp_shard_cp``."""
+        return (["dp_replicate"] if self.dp_replicate_enabled else []) + ["dp_shard_cp"]
 
     def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """``(names, sizes)`` of the mesh, outermost first."""
@@ -212,7 +252,7 @@ class ParallelismConfig:
                 PyTorch cannot run here (context parallel off CUDA, async TP off CUDA).
         """
         if self.total_size != num_processes:
-            product = " x ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS)
+            product = " x ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS[:4])
             raise ConfigurationError(
                 f"ParallelismConfig needs {product} = {self.total_size} processes, but the run has {num_processes}. "
                 "Make the product of dp_replicate_size, dp_shard_size, tp_size and cp_size equal the number of "
@@ -237,10 +277,10 @@ class ParallelismConfig:
 
         names, sizes = self.mesh_shape()
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+        # Accelerate's flattened views, always present (a view of one dimension is that dimension).
         for flat, parts in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
                             ("dp_cp", self.dp_cp_dim_names)):
-            if len(parts) > 1:
-                mesh[tuple(parts)]._flatten(flat)
+            mesh[tuple(parts)]._flatten(flat)
         self.device_mesh = mesh
         return mesh
 
@@ -253,35 +293,38 @@ class ParallelismConfig:
         return self.device_mesh
 
 
-def submesh(mesh: Any, names: list[str]) -> Any:
-    """The (possibly flattened) sub-mesh of ``mesh`` for ``names`` (``None`` when ``names`` is empty)."""
-    if not names:
-        return None
-    if len(names) == 1:
-        return mesh[names[0]]
-    flat = {("dp_replicate", "dp_shard"): "dp", ("dp_shard", "cp"): "dp_shard_cp",
-            ("dp_replicate", "dp_shard", "cp"): "dp_cp"}.get(tuple(names))
-    return mesh[flat] if flat is not None else mesh[tuple(names)]
-
-
 def parallelism_config_from_launch(launch: Mapping[str, Any]) -> ParallelismConfig | None:
     """The ``parallelism_config`` block of the launch configuration (``--parallelism_config_*``), or None."""
+    sizes = _block_fields(launch)
+    return ParallelismConfig(**sizes) if sizes else None
+
+
+def _launch_block() -> dict[str, Any]:
+    """The launch configuration's parallelism fields (defaults for sizes left ``None``)."""
+    from hasten.config.env import launch_config_dict
+
+    return _block_fields(launch_config_dict())
+
+
+def _block_fields(launch: Mapping[str, Any]) -> dict[str, Any]:
     block = launch.get("parallelism_config") or {}
-    if not block:
-        return None
     sizes: dict[str, Any] = {}
     for key, value in block.items():
         name = key.removeprefix("parallelism_config_")
+        if value is None or str(value) == "-1":  # Accelerate's "not set"
+            continue
         if name in _SIZE_FIELDS:
             sizes[name] = value
         elif name == "tp_enable_async_tp" or name == "enable_async_tp":
             sizes["tp_handler"] = TorchTensorParallelConfig(enable_async_tp=str(value).lower() in ("1", "true"))
         elif name == "cp_comm_strategy":
             sizes["cp_handler"] = TorchContextParallelConfig(cp_comm_strategy=str(value))
+        elif name in ("cp_backend", "sp_backend"):
+            sizes[name] = str(value)
         else:
             raise ConfigurationError(f"Unknown parallelism_config key {key!r}: expected parallelism_config_"
-                                     f"{{{', '.join(_SIZE_FIELDS)}, cp_comm_strategy}}.")
-    return ParallelismConfig(**sizes)
+                                     f"{{{', '.join(_SIZE_FIELDS)}, cp_backend, sp_backend, cp_comm_strategy}}.")
+    return sizes
 
 
 def _torch_version() -> str:
@@ -297,4 +340,4 @@ def _is_parallel_style(style: Any) -> bool:
 
 
 __all__ = ["MESH_ORDER", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
-           "parallelism_config_from_launch", "submesh"]
+           "parallelism_config_from_launch"]
