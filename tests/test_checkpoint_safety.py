@@ -516,7 +516,7 @@ def test_workers_die_when_the_launcher_is_killed(tmp_path, num_processes):
 # ----------------------------------------------------- 8. another number of processes; issue 16
 def _save_on_ranks(root: str) -> list:
     accelerator, model, optimizer, scheduler = _setup()
-    folder = accelerator.save_state(Path(root) / "ck")
+    accelerator.save_state(Path(root) / "ck")
     return [torch.get_rng_state(), _weights(accelerator, model)]
 
 
@@ -555,3 +555,18 @@ def test_a_missing_random_states_file_is_named(tmp_path):
     (folder / "hasten_checkpoint.json").unlink()  # a checkpoint without manifest (Accelerate's, older hasten)
     with pytest.raises(CheckpointError, match=r"random_states_0.pkl is missing .*no random_states_\*.pkl file at all"):
         accelerator.load_state(folder)
+
+
+def test_a_save_killed_while_writing_files_is_cleaned_up_by_the_next_save(tmp_path):
+    accelerator, *_ = _setup()
+    staging = tmp_path / "ck.tmp"
+    staging.mkdir()
+    (staging / ".hasten_staging").touch()
+    (staging / ".model.safetensors.x1y2.tmp").write_bytes(b"half")  # an unfinished atomic write
+    accelerator.save_state(tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    (tmp_path / "ck.old").mkdir()
+    (tmp_path / "ck.old" / "mine.txt").write_text("keep")
+    with pytest.raises(CheckpointError, match="ck.old exists"):
+        accelerator.save_state(tmp_path / "ck")
+    assert (tmp_path / "ck.old" / "mine.txt").read_text() == "keep"

@@ -132,6 +132,10 @@ def check_target(target: Path) -> None:
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"save_state: {target} is a file, not a checkpoint folder; hasten does not replace it. "
                               "Pass another path, or move the file away.")
+    old = target.with_name(target.name + OLD_SUFFIX) if target.name else None
+    if old is not None and old.exists() and (not old.is_dir() or foreign_entries(old)):
+        raise CheckpointError(f"save_state: {old} exists and is not a hasten checkpoint; hasten may need that name "
+                              "while it replaces the checkpoint. Rename or move it.")
     foreign = foreign_entries(target)
     if writes_in_place(target):
         foreign = [f for f in foreign if not f.startswith(".hasten_staging")]
@@ -147,7 +151,10 @@ def prepare_staging(target: Path) -> Path:
     recover(target)
     staging = staging_folder(target)
     if staging.exists():
-        foreign = foreign_entries(staging) if staging.is_dir() else [staging.name]
+        # Ours when it carries the staging marker (a killed save; it may hold half-written temporary
+        # files) or holds only checkpoint files (a previous checkpoint swapped out before deletion).
+        marked = staging.is_dir() and (staging / STAGING_MARKER).is_file()
+        foreign = [] if marked else foreign_entries(staging) if staging.is_dir() else [staging.name]
         if foreign:
             raise CheckpointError(f"save_state: {staging} exists and holds files hasten did not write "
                                   f"({foreign[:5]}); hasten stages the save there. Move it away.")
