@@ -570,3 +570,21 @@ def test_a_save_killed_while_writing_files_is_cleaned_up_by_the_next_save(tmp_pa
     with pytest.raises(CheckpointError, match="ck.old exists"):
         accelerator.save_state(tmp_path / "ck")
     assert (tmp_path / "ck.old" / "mine.txt").read_text() == "keep"
+
+
+def _save_mid_epoch(root: str) -> None:
+    accelerator = Accelerator()
+    loader = torch.utils.data.DataLoader(torch.arange(16.0), batch_size=2, shuffle=True)
+    loader = accelerator.prepare(loader)
+    for i, _batch in enumerate(loader):
+        if i == 1:
+            accelerator.save_state(Path(root) / "mid")
+            break
+
+
+def test_a_mid_epoch_loader_position_is_not_mapped_onto_fewer_processes(tmp_path):
+    run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path),))
+    accelerator = Accelerator()
+    accelerator.prepare(torch.utils.data.DataLoader(torch.arange(16.0), batch_size=2, shuffle=True))
+    with pytest.raises(CheckpointError, match=r"saved by 2 processes in the middle of an epoch"):
+        accelerator.load_state(tmp_path / "mid")

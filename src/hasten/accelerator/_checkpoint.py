@@ -173,9 +173,14 @@ class CheckpointMixin:
         iteration counter continues after it. Prepared data loaders resume at the saved position.
         Call it on every process.
 
+        Every file listed in the checkpoint's manifest is checked against its recorded size and CRC-32
+        first; pass ``verify_checksums=False`` to skip that (trusted storage). A checkpoint saved by
+        more processes loads with a warning naming the random states it drops.
+
         Raises:
             CheckpointError: a missing folder or file, a damaged file, or a folder that does not match
-                what was prepared (models, optimizers, registered objects, number of processes).
+                what was prepared (models, optimizers, registered objects, number of processes); raised
+                with the same message on every process, before anything changed.
         """
         folder = self._resolve_load_folder(input_dir)
         for hook in self._load_model_state_pre_hook.values():
