@@ -588,3 +588,18 @@ def test_a_mid_epoch_loader_position_is_not_mapped_onto_fewer_processes(tmp_path
     accelerator.prepare(torch.utils.data.DataLoader(torch.arange(16.0), batch_size=2, shuffle=True))
     with pytest.raises(CheckpointError, match=r"saved by 2 processes in the middle of an epoch"):
         accelerator.load_state(tmp_path / "mid")
+
+
+def test_dcp_metadata_pointing_outside_its_folder_is_refused(tmp_path):
+    import dataclasses as dc
+    import pickle
+
+    from hasten.checkpointing.dcp import merge_sharded_weights
+    from hasten.checkpointing.safe_load import load_pickle
+
+    folder = _dcp_folder(tmp_path / "ck")
+    metadata = load_pickle(folder / ".metadata")
+    metadata.storage_data = {k: dc.replace(v, relative_path="../../secret") for k, v in metadata.storage_data.items()}
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"\.metadata points outside its folder"):
+        merge_sharded_weights(tmp_path / "ck", tmp_path / "merged")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hasten.checkpointing.rng import CheckpointError
-from hasten.checkpointing.safe_load import dcp_planner, dcp_reader, load_pickle
+from hasten.checkpointing.safe_load import check_storage_paths, dcp_planner, dcp_reader, load_pickle
 
 MODEL_DIR = "pytorch_model_fsdp_{index}"
 OPTIMIZER_DIR = "optimizer_{index}"
@@ -46,7 +46,9 @@ def read_metadata(path: Path) -> Any:
     if not is_dcp_folder(path):
         raise CheckpointError(f"{path} is not a torch.distributed.checkpoint folder (no {METADATA_FILE}); the save "
                               "was interrupted or the path is wrong.")
-    return load_pickle(path / METADATA_FILE)
+    metadata = load_pickle(path / METADATA_FILE)
+    check_storage_paths(metadata, path)
+    return metadata
 
 
 def saved_tensor_shapes(path: Path, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -201,12 +201,23 @@ def dcp_reader(path: Path) -> Any:
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             metadata = load_pickle(Path(path) / ".metadata")
+            check_storage_paths(metadata, Path(path))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
     return SafeFileSystemReader(str(path))
+
+
+def check_storage_paths(metadata: Any, folder: Path) -> None:
+    """Refuse metadata whose shards lie outside ``folder`` (``../``, absolute paths)."""
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative = str(getattr(info, "relative_path", ""))
+        parts = Path(relative).parts
+        if Path(relative).is_absolute() or ".." in parts:
+            raise CheckpointError(f"{folder / '.metadata'} points outside its folder ({relative!r}); the file was "
+                                  "crafted or damaged and was not used.")
 
 
 def dcp_planner(path: Path) -> Any:
@@ -226,5 +237,5 @@ def dcp_planner(path: Path) -> Any:
     return SafeLoadPlanner()
 
 
-__all__ = ["DCP_METADATA_GLOBALS", "RestrictedUnpickler", "STANDARD_SAFE_TYPES", "check_deepspeed_files", "dcp_planner",
+__all__ = ["DCP_METADATA_GLOBALS", "RestrictedUnpickler", "STANDARD_SAFE_TYPES", "check_deepspeed_files", "check_storage_paths", "dcp_planner",
            "dcp_reader", "deepspeed_globals", "load_pickle", "torch_load"]
