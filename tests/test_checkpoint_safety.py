@@ -159,6 +159,9 @@ def test_kill_9_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, mo
     script = tmp_path / "save.py"
     script.write_text(SAVE_AND_DIE)
     root = tmp_path / "proj"
+    (root / "logs").mkdir(parents=True)  # the user's files beside the checkpoint
+    (root / "notes.txt").write_text("mine")
+    (root / "logs" / "run.log").write_text("log")
     proc = subprocess.Popen([sys.executable, str(script), str(root), mode, stage], stdout=subprocess.PIPE,
                             stdin=subprocess.PIPE, text=True)
     try:
@@ -188,6 +191,7 @@ def test_kill_9_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, mo
     accelerator.save_state(None if auto else root / "ck")  # leftovers of the killed save are cleaned up
     names = sorted(os.listdir(root / "checkpoints" if auto else root))
     assert not [n for n in names if n.endswith((".tmp", ".old"))], names
+    assert (root / "notes.txt").read_text() == "mine" and (root / "logs" / "run.log").read_text() == "log"
 
 
 # ---------------------------------------------------------------------------- 3. never execute
