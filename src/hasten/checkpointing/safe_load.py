@@ -71,10 +71,11 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._allowed or _is_dtype(module, name):
-            # Only modules already imported are used: resolving a name never imports (runs) a module.
+            # The allow-list names only torch's own modules, pathlib and collections: importing them
+            # (normally already done) runs nothing from the checkpoint.
             owner = sys.modules.get(module)
             if owner is None:
-                __import__(module)  # allow-listed modules are torch's and pathlib/collections only
+                __import__(module)
                 owner = sys.modules[module]
             return getattr(owner, name)
         raise CheckpointError(f"{self._source} refers to {module}.{name}, which a checkpoint of this kind never "
@@ -167,11 +168,11 @@ def torch_load(source: Path | bytes, name: Path, *, map_location: Any = "cpu", e
         text = str(exc)
         if "Unsupported global" in text or "not an allowed global" in text or "GLOBAL" in text:
             refused = text.split("Unsupported global:")[-1].split("was not an allowed global")[0].strip()
+            hint = (" Registered objects may hold tensors, builtins, NumPy values, datetime, pathlib, enums and "
+                    "dataclasses; make state_dict() return those.") if user_types else ""
             raise CheckpointError(
-                f"Checkpoint file {name} holds a type that hasten does not load ({refused[:200]}): only tensors, "
-                "builtins, NumPy values, datetime, pathlib, enums and dataclasses are allowed. The file was not "
-                "loaded and nothing in it ran. If you wrote this object yourself, make its state_dict() return "
-                "those types.") from None
+                f"Checkpoint file {name} holds a type outside the allow-list for this kind of file "
+                f"({refused[:200]}); it was not loaded and nothing in it ran.{hint}") from None
         raise CheckpointError(f"Could not read checkpoint file {name}: {exc}. It is truncated or corrupted.") from exc
 
 
