@@ -32,7 +32,7 @@ class Transaction:
         """``obj.load_state_dict(state)``, remembering how to undo it."""
         current = obj.state_dict()
         inner = getattr(obj, "optimizer", obj)
-        previous = current if isinstance(inner, torch.optim.Optimizer) else copy.deepcopy(current)
+        previous = current if isinstance(inner, torch.optim.Optimizer) else _copy_or_same(current)
         self._undo.append((obj, previous))
         self.run(what, lambda: obj.load_state_dict(state))
 
@@ -55,6 +55,14 @@ class Transaction:
                 except Exception:  # noqa: BLE001, S112 - best effort; the original error is what matters
                     continue
         return False
+
+
+def _copy_or_same(state: Any) -> Any:
+    """A deep copy of ``state``, or ``state`` itself when it cannot be copied (locks, handles)."""
+    try:
+        return copy.deepcopy(state)
+    except Exception:  # noqa: BLE001 - the undo is best effort; the load itself must not fail here
+        return state
 
 
 __all__ = ["Transaction"]
