@@ -45,15 +45,22 @@ def build() -> nn.Sequential:
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
 
 
+def configure(layers: int, width: int, cpu_budget: str) -> None:
+    """Change the model (``bench_scaling_big_model.py`` runs this script's cases at several sizes)."""
+    global LAYERS, WIDTH, SHARDS, CPU_BUDGET
+    LAYERS, WIDTH, CPU_BUDGET = layers, width, cpu_budget
+    SHARDS = max(1, -(-layers // 6))  # shards of up to 6 layers, as the default 24-layer model has
+
+
 def write_checkpoint(folder: Path) -> None:
-    """4 shards of 6 layers, written layer by layer so the writer never holds the whole model."""
+    """Shards of 6 layers, written layer by layer so the writer never holds the whole model."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    per_shard, weight_map = LAYERS // SHARDS, {}
+    per_shard, weight_map = -(-LAYERS // SHARDS), {}
     for shard in range(SHARDS):
         name, tensors = f"model-{shard + 1:05d}-of-{SHARDS:05d}.safetensors", {}
-        for i in range(shard * per_shard, (shard + 1) * per_shard):
+        for i in range(shard * per_shard, min(LAYERS, (shard + 1) * per_shard)):
             layer = nn.Linear(WIDTH, WIDTH)
             tensors.update({f"{i}.weight": layer.weight.data, f"{i}.bias": layer.bias.data})
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
@@ -98,9 +105,14 @@ def _load(case: str, folder: Path, offload: Path) -> nn.Module:
 
 
 def child(case: str, folder: Path, offload: Path) -> dict[str, Any]:
-    import accelerate  # noqa: F401
+    # Import both libraries' big-model modules in every case, before the clock starts: same baseline, same
+    # import cost paid outside the measurement (hasten imports hasten.big_modeling lazily, on first use).
+    try:
+        import accelerate.big_modeling  # noqa: F401
+    except ImportError:  # the scaling script runs without it (no Accelerate rows)
+        pass
 
-    import hasten  # noqa: F401  (import both libraries in every case: same baseline, same import cost paid)
+    import hasten.big_modeling  # noqa: F401
 
     x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(1))
     _reset_peak()
@@ -135,7 +147,8 @@ def run_case(case: str, folder: Path) -> dict[str, Any]:
     offload = Path(tempfile.mkdtemp(prefix="offload-", dir=folder.parent))
     try:
         proc = subprocess.run([sys.executable, __file__, "--child", case, "--folder", str(folder),
-                               "--offload", str(offload)], capture_output=True, text=True, timeout=600)
+                               "--offload", str(offload), "--layers", str(LAYERS), "--width", str(WIDTH),
+                               "--cpu-budget", CPU_BUDGET], capture_output=True, text=True, timeout=600)
     finally:
         shutil.rmtree(offload, ignore_errors=True)
     if proc.returncode != 0:
@@ -196,7 +209,14 @@ def main() -> None:
     parser.add_argument("--child")
     parser.add_argument("--folder", type=Path)
     parser.add_argument("--offload", type=Path)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument("--cpu-budget", default=CPU_BUDGET, help="max_memory['cpu'] of the disk cases")
+    parser.add_argument("--quick", action="store_true", help="one short repeat: checks the script works (not a measurement)")
     args = parser.parse_args()
+    if args.quick:  # a 100 MB model, one repeat
+        args.repeats, args.layers, args.width, args.cpu_budget = 1, 6, 2048, "40MB"
+    configure(args.layers, args.width, args.cpu_budget)
     if args.child:
         print(json.dumps(child(args.child, args.folder, args.offload)))
         return
