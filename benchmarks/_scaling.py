@@ -21,7 +21,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,22 @@ def have_accelerate() -> bool:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def median_chunk_time(step: Callable[[], None], steps: int, clock: Callable[[], float], chunks: int = 10) -> float:
+    """Seconds per step: the median over ``chunks`` equal runs of ``steps / chunks`` steps.
+
+    A burst of other work on the machine spoils one chunk, not the figure (a plain mean over all steps
+    takes it in whole).
+    """
+    per_chunk = max(1, steps // chunks)
+    times = []
+    for _ in range(max(1, steps // per_chunk)):
+        start = clock()
+        for _ in range(per_chunk):
+            step()
+        times.append((clock() - start) / per_chunk)
+    return statistics.median(times)
 
 
 def machine() -> str:

@@ -39,7 +39,8 @@ def _run(framework: str, k: int, steps: int) -> float:
     """CPU seconds per outer step (K inner steps), measured in this (fresh) process.
 
     The process runs one torch thread and no collectives, so its CPU time is its wall time on an idle
-    machine, and unlike wall time it does not count the time other programs held the cores.
+    machine, and unlike wall time it does not count the time other programs held the cores. The figure
+    is the median over chunks of steps (see ``_scaling.median_chunk_time``).
     """
     torch.set_num_threads(1)
     models, optimizers, loaders = _objects(k, steps)
@@ -68,10 +69,7 @@ def _run(framework: str, k: int, steps: int) -> float:
 
     for _ in range(WARMUP):
         step()
-    start = time.process_time()
-    for _ in range(steps):
-        step()
-    return (time.process_time() - start) / steps
+    return _scaling.median_chunk_time(step, steps, time.process_time)
 
 
 def main() -> None:

@@ -4,7 +4,9 @@ The workload is bench_training's tiny MLP (batch 32 per process), where per-step
 hand-written loop is plain PyTorch at 1 process and DDP + DistributedSampler above. Processes are forked
 gloo ranks on this machine, one torch thread each: with more ranks than cores the CPU is oversubscribed,
 so absolute speed falls with the world size and only the ratio to hand-written DDP at each size means
-anything. Each point is a fresh set of ranks; frameworks are interleaved; medians over --repeats.
+anything. Each run's figure is the slowest rank's median over 10 chunks of its steps (a burst of other
+work spoils a chunk, not the run). Each point is a fresh set of ranks; frameworks are interleaved;
+medians over --repeats.
 
     python benchmarks/bench_scaling_world_size.py            # full: 1, 2, 4, 8 processes, 3 repeats
     python benchmarks/bench_scaling_world_size.py --quick    # smoke test
@@ -41,11 +43,9 @@ def _loop(model: nn.Module, optimizer: Any, loader: Any, steps: int, backward: C
     for _ in range(WARMUP):
         step()
     barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
+    per_step = _scaling.median_chunk_time(step, steps, time.perf_counter)
     barrier()
-    return (time.perf_counter() - start) / steps
+    return per_step
 
 
 def _run(framework: str, steps: int) -> float:
