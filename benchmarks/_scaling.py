@@ -142,6 +142,9 @@ def plot(args: argparse.Namespace, name: str, title: str, xlabel: str, ylabel: s
     for ax, (label, data) in zip(axes[0], [(ylabel, series)] + ([second] if second else [])):
         for key, (xs, ys) in data.items():
             ax.plot(xs, ys, marker="o", label=key)
+        values = [y for _, ys in data.values() for y in ys if y == y and y > 0]
+        if values and max(values) / min(values) > 30:  # spans orders of magnitude (e.g. oversubscribed ranks)
+            ax.set_yscale("log")
         if hline is not None and ax is axes[0][0]:
             ax.axhline(hline, color="grey", linestyle=":", linewidth=1)
         if logx:
