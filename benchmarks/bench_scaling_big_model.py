@@ -9,7 +9,7 @@ time, load + first forward (a lazy load pays its page-in there), and the peak RS
 forward. Targets: linear in bytes, hasten ``auto`` within 1.3x of the floor at every size.
 
     python benchmarks/bench_scaling_big_model.py            # full: 0.4-3.2 GB, 3 repeats (~10 GB of disk)
-    python benchmarks/bench_scaling_big_model.py --quick    # 0.1-0.4 GB, one repeat
+    python benchmarks/bench_scaling_big_model.py --quick    # 0.05-0.2 GB, one repeat
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=None)
     args = _scaling.finish_args(parser.parse_args())
     width = args.width or (2048 if args.quick else 4096)
-    layer_counts = args.layers or [6, 12, 24, 48] if not args.quick else (args.layers or [6, 12, 24])
+    layer_counts = args.layers or ([3, 6, 12] if args.quick else [6, 12, 24, 48])
     cases = ["floor (mmap)", "hasten auto", "hasten disk"]
     if _scaling.have_accelerate():
         cases += ["accelerate auto", "accelerate disk"]
