@@ -278,8 +278,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="one short repeat: checks the script works (not a measurement)")
     parser.add_argument("--nd", action="store_true", help="The N-D rows on 4 ranks instead.")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 1, 3
     if args.nd:
         nd_main(args.repeats, args.steps)
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,25 @@ import torch
 from torch import nn
 
 from hasten.checkpointing import files as ckpt
+from hasten.checkpointing import restore_checks as checks
 from hasten.environments import process_group
 from hasten.precision import Precision
 from hasten.utils.dataclasses import DistributedType
+
+
+@dataclass
+class CheckedState:
+    """What :meth:`Strategy.check` read and validated, handed back to :meth:`Strategy.load`.
+
+    Attributes:
+        optimizer_states: one ``state_dict`` per optimizer that the facade loads itself, with an undo
+            (empty when the strategy loads optimizer state as part of its own format).
+        models: the strategy's own part (base: the model weights; sharded strategies: nothing, they
+            read their folders in ``load``).
+    """
+
+    optimizer_states: list[Any] = field(default_factory=list)
+    models: Any = None
 
 
 class Strategy:
@@ -210,29 +227,36 @@ class Strategy:
             ckpt.torch_save(optimizer.state_dict(), folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
-              strict: bool = True, map_location: Any = "cpu") -> Any:
+              strict: bool = True, map_location: Any = "cpu") -> CheckedState:
         """Read and check what :meth:`save` wrote, before anything is loaded; returns it for :meth:`load`.
 
+        Base: the model weights and the optimizer states, each checked against its model/optimizer.
+        The facade applies ``optimizer_states`` itself (with the other small states, each undoable).
+
         Raises:
-            CheckpointError: a missing or damaged file, or weights that do not match the model.
+            CheckpointError: a missing or damaged file, or a state that does not match.
         """
         weights = []
         for i, model in enumerate(models):
             path, state = ckpt.read_model_weights(folder, i)
             ckpt.check_model_weights(self.unwrap(model), state, path, strict=strict)
             weights.append(state)
-        states = [ckpt.torch_load(folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), map_location)
-                  for i, _ in enumerate(optimizers)]
-        return weights, states
+        optimizer_states = []
+        for i, optimizer in enumerate(optimizers):
+            path = folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))
+            optimizer_states.append(ckpt.torch_load(path, map_location))
+            checks.check_optimizer_state(optimizer, optimizer_states[-1], path)
+        return CheckedState(optimizer_states=optimizer_states, models=weights)
 
-    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, checked: Any, *,
-             strict: bool = True) -> None:
-        """Load what :meth:`check` returned into the models and optimizers (every process calls it)."""
-        weights, states = checked
-        for model, state in zip(models, weights):
+    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
+             checked: CheckedState, *, strict: bool = True) -> None:
+        """Load the strategy's part of what :meth:`check` returned (base: the model weights).
+
+        Called on every process, after the facade applied ``checked.optimizer_states`` and the other
+        small states (model state is loaded last: it cannot be undone cheaply).
+        """
+        for model, state in zip(models, checked.models):
             ckpt.load_model_weights(self.unwrap(model), state, strict=strict)
-        for optimizer, state in zip(optimizers, states):
-            optimizer.load_state_dict(state)
 
     def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """This process's gradients gathered so far in an accumulation window (a save mid-window).

@@ -23,12 +23,13 @@ import torch
 from torch import nn
 
 from hasten.checkpointing import CheckpointError
+from hasten.checkpointing.safe_load import check_deepspeed_files
 from hasten.config.plugins.deepspeed import DeepSpeedPlugin
 from hasten.environments import process_group
 from hasten.exceptions import ConfigurationError
 from hasten.precision import Precision
 from hasten.precision.deepspeed import DeepSpeedPrecision
-from hasten.strategies.base import Strategy
+from hasten.strategies.base import CheckedState, Strategy
 from hasten.utils.dataclasses import DistributedType
 from hasten.utils.deepspeed import DummyOptim, DummyScheduler
 
@@ -302,7 +303,7 @@ class DeepSpeedStrategy(Strategy):
             engine.save_checkpoint(str(folder), tag=tag)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
-              strict: bool = True, map_location: Any = "cpu") -> Any:
+              strict: bool = True, map_location: Any = "cpu") -> CheckedState:
         """The engine's folders exist, saved by as many processes as this run has (ZeRO shards)."""
         for tag, engine in self._engines(models):
             sub = Path(folder) / tag
@@ -313,9 +314,12 @@ class DeepSpeedStrategy(Strategy):
             if engine.zero_optimization() and ranks != self.num_processes:
                 raise CheckpointError(f"{sub} was saved by {ranks} DeepSpeed processes but this run has "
                                       f"{self.num_processes}; ZeRO shards load only into the same number of processes.")
+            # DeepSpeed reads its files with weights_only=False: refuse any that names a non-allowed type.
+            check_deepspeed_files(sorted(sub.glob("*.pt")))
+        return CheckedState()  # the engine loads models and optimizers itself
 
-    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, checked: Any, *,
-             strict: bool = True) -> None:
+    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
+             checked: CheckedState, *, strict: bool = True) -> None:
         """``engine.load_checkpoint`` for every engine."""
         for tag, engine in self._engines(models):
             path, _ = engine.load_checkpoint(str(folder), tag=tag)

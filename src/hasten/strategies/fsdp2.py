@@ -29,7 +29,7 @@ from hasten.config.plugins.fsdp_units import (
     select_units,
 )
 from hasten.exceptions import CheckpointError, ConfigurationError
-from hasten.strategies.base import Strategy, unwrap_common
+from hasten.strategies.base import CheckedState, Strategy, unwrap_common
 
 
 def _as_fsdp(model: nn.Module) -> Any:
@@ -289,7 +289,7 @@ class FSDP2Strategy(Strategy):
                     ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
-              strict: bool = True, map_location: Any = "cpu") -> Any:
+              strict: bool = True, map_location: Any = "cpu") -> CheckedState:
         """Check every model/optimizer file or DCP folder (either format loads) before anything changes."""
         for i, model in enumerate(models):
             path = sharded.model_dir(folder, i)
@@ -308,9 +308,10 @@ class FSDP2Strategy(Strategy):
             elif not (folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))).is_file():
                 raise CheckpointError(f"{folder} has no state for optimizer #{i}: expected the folder {path.name}/ or "
                                       f"{ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))}.")
+        return CheckedState()  # load() reads the folders/files itself (models and optimizers together)
 
-    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, checked: Any, *,
-             strict: bool = True) -> None:
+    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
+             checked: CheckedState, *, strict: bool = True) -> None:
         """Load what the checkpoint holds, whichever ``state_dict_type`` it was saved with."""
         inner_models = [unwrap_common(m) for m in models]
         for i, model in enumerate(inner_models):
