@@ -12,17 +12,19 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # Lower index = lower layer. A module may import (at module level) only from its own layer or below.
 LAYERS = [
     ["hasten.exceptions", "hasten.utils"],
-    ["hasten.config"],
+    ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.strategies"],
     ["hasten.connector"],
     ["hasten.state", "hasten.logging"],
-    ["hasten.data", "hasten.checkpointing", "hasten.optim", "hasten.tracking"],
-    ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader"],
-    ["hasten.commands", "hasten.testing"],
+    ["hasten.data", "hasten.checkpointing", "hasten.optim", "hasten.tracking", "hasten.optimizer",
+     "hasten.scheduler"],
+    ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader",
+     "hasten.hooks", "hasten.inference"],
+    ["hasten.commands", "hasten.testing", "hasten.test_utils"],
 ]
 # Accelerate-compatible re-export facades resolve their names lazily, from every layer.
-FACADES = {"hasten", "hasten.utils"}
+FACADES = {"hasten", "hasten.utils", "hasten.utils.operations"}
 ENV_ALLOWED = ("config/env.py", "environments/", "utils/environment.py", "launchers/", "commands/", "testing/",
                "strategies/deepspeed.py")
 

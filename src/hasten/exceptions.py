@@ -28,3 +28,7 @@ class DistributedOperationError(HastenError, RuntimeError):
 
 class LaunchError(HastenError, RuntimeError):
     """Processes could not be started, or a worker failed."""
+
+
+#: Accelerate's name for the error its debug mode raises (``accelerate.utils.operations``); the same class.
+DistributedOperationException = DistributedOperationError

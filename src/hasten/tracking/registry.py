@@ -32,7 +32,7 @@ _REQUIREMENTS: dict[str, tuple[tuple[str, ...], str | None]] = {
 }
 
 
-def register_tracker_class(cls: type[GeneralTracker]) -> type[GeneralTracker]:
+def register_tracker_class(tracker_class: type[GeneralTracker]) -> type[GeneralTracker]:
     """Make a tracker class selectable by name: ``log_with="<cls.name>"`` (usable as a class decorator).
 
     The class is built like the built-ins: ``cls(project_name, logging_dir, **init_kwargs)`` when it
@@ -46,6 +46,7 @@ def register_tracker_class(cls: type[GeneralTracker]) -> type[GeneralTracker]:
         ...     ...
         >>> Accelerator(log_with="csv", project_dir="runs")
     """
+    cls = tracker_class
     if not (isinstance(cls, type) and issubclass(cls, GeneralTracker)):
         raise TypeError(f"register_tracker_class needs a GeneralTracker subclass, got {cls!r}")
     name = getattr(cls, "name", None)
