@@ -95,6 +95,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         handlers = _collect_handlers(kwargs_handlers)
         for cls, attribute in _HANDLER_ATTRIBUTES.items():
             setattr(self, attribute, handlers.get(cls))
+        if mixed_precision is None and AcceleratorState._shared_state:
+            # A second Accelerator in the process reuses the first one's precision, as in Accelerate.
+            mixed_precision = AcceleratorState._shared_state.get("_mixed_precision")
         launch = hasten_env.launch_config_dict()
         self._settings = resolve_settings(
             {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -109,6 +112,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)
         self.state.distributed_type = self._strategy.distributed_type
+        self.state._strategy = self._strategy  # for the static trigger_sync_in_backward
         add_before_destroy_hook(self._strategy.release)
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
             num_steps=self._settings.gradient_accumulation_steps, adjust_scheduler=False)
@@ -276,10 +280,18 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         with self._strategy.no_sync(model):
             yield
 
+    @staticmethod
     @contextlib.contextmanager
-    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
-        """Make the next backward synchronise even after forwards run under ``no_sync``."""
-        with self._strategy.trigger_sync_in_backward(model):
+    def trigger_sync_in_backward(model: nn.Module) -> Iterator[None]:
+        """Make the next backward synchronise even after forwards run under ``no_sync``.
+
+        A staticmethod, as in Accelerate: it asks the strategy of the process's Accelerator.
+        """
+        strategy = AcceleratorState._shared_state.get("_strategy")
+        if strategy is None:
+            yield
+            return
+        with strategy.trigger_sync_in_backward(model):
             yield
 
     @contextlib.contextmanager

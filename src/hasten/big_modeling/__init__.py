@@ -12,7 +12,8 @@ from hasten.big_modeling.hooks import (AlignDevicesHook, CpuOffload, ModelHook, 
                                        remove_hook_from_submodules)
 from hasten.big_modeling.extras import (LayerwiseCastingHook, SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING,
                                         align_module_device, attach_layerwise_casting_hooks,
-                                        check_tied_parameters_on_same_device, ensure_weights_retied)
+                                        check_tied_parameters_on_same_device, ensure_weights_retied,
+                                        get_state_dict_offloaded_model)
 from hasten.big_modeling.init import init_empty_weights, init_on_device
 from hasten.big_modeling.loading import load_checkpoint_in_model, load_state_dict
 from hasten.big_modeling.offload import (OffloadedWeightsLoader, PrefixedDataset, extract_submodules_state_dict,

@@ -135,3 +135,16 @@ def ensure_weights_retied(param_init_fn: Callable[[nn.Module], Any], model: nn.M
         return result
 
     return init_and_retie
+
+
+def get_state_dict_offloaded_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict (on CPU) of a model whose weights are offloaded to CPU or disk by hooks."""
+    state: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if not own:
+            continue
+        with align_module_device(module, "cpu"):
+            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                state[f"{prefix}.{name}" if prefix else name] = tensor.detach().to("cpu").clone()
+    return state

@@ -46,7 +46,9 @@ _add("hasten.utils.unsupported", *"""
     MegatronLMDummyDataLoader MegatronLMDummyScheduler MegatronLMPlugin T5TrainStep TorchContextParallelConfig
     TorchTensorParallelConfig TorchTensorParallelPlugin add_model_config_to_megatron_parser apply_fp8_autowrap
     avg_losses_across_data_parallel_group convert_model install_xla load_and_quantize_model load_fsdp_model
-    load_fsdp_optimizer prepare_sagemager_args_inputs prepare_tpu save_fsdp_model save_fsdp_optimizer""".split())
+    load_fsdp_optimizer prepare_sagemager_args_inputs prepare_tpu save_fsdp_model save_fsdp_optimizer
+    contextual_fp8_autocast save_accelerator_state load_accelerator_state prepare_deepspeed_cmd_env
+    prepare_multi_gpu_env prepare_simple_launcher_cmd_env""".split())
 _add("hasten.utils.modeling", *"""
     are_libraries_initialized check_os_kernel check_tied_parameters_in_config clean_state_dict_for_safetensors
     compile_regions compile_regions_deepspeed compile_regions_fsdp2 convert_bytes deepspeed_required
@@ -54,7 +56,10 @@ _add("hasten.utils.modeling", *"""
     get_model_tp_size get_module_children_bottom_up get_pretty_name has_4bit_bnb_layers has_ao_layers
     has_compiled_regions has_transformer_engine_layers merge_dicts model_has_dtensor recursive_getattr
     torchao_required""".split())
-_add("hasten.utils.fp8", "AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs")
+_add("hasten.utils.fp8", "AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "FP8BackendType",
+     "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers")
+_add("hasten.checkpointing.custom", "save_custom_state", "load_custom_state")
+_add("hasten.launchers.compat", "PrepareForLaunch")
 _add("hasten.utils.fsdp2", "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict",
      "fsdp2_prepare_model", "fsdp2_switch_optimizer_parameters")
 _add("hasten.utils.serialization", "save", "load")
@@ -62,7 +67,8 @@ _add("hasten.exceptions", "DistributedOperationException")
 _add("hasten.ops.compat", "CannotPadNestedTensorWarning", "GatheredParameters", "TensorInformation",
      "convert_outputs_to_fp32", "copy_tensor_to_devices", "initialize_tensors", "is_tensor_information")
 _add("hasten.parallelism_config", "ParallelismConfig")
-_add("hasten.big_modeling", "align_module_device", "check_tied_parameters_on_same_device", "ensure_weights_retied")
+_add("hasten.big_modeling", "align_module_device", "check_tied_parameters_on_same_device", "ensure_weights_retied",
+     "get_state_dict_offloaded_model")
 _add("hasten.utils.sizes", "convert_file_size_to_int")
 _add("hasten.config.plugins.fsdp", "FullyShardedDataParallelPlugin")
 _add("hasten.checkpointing.dcp", "merge_fsdp_weights")

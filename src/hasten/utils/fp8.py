@@ -8,6 +8,7 @@ Transformer Engine and MS-AMP recipes are accepted as settings (configs load) bu
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,3 +98,47 @@ class FP8RecipeKwargs(TERecipeKwargs):
             raise ConfigurationError(f"FP8RecipeKwargs(backend={backend!r}): use 'TE' or 'MSAMP' (or AORecipeKwargs "
                                      "for torchao)")
         self.__post_init__()
+
+
+class FP8BackendType(str, enum.Enum):
+    """The fp8 engines Accelerate names (hasten runs ``AO``, torchao)."""
+
+    NO = "NO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+    AO = "AO"
+
+
+def filter_first_and_last_linear_layers(module: Any, fqn: str) -> bool:
+    """torchao's ``module_filter_func``: convert a linear layer to float8 only when both its dimensions are
+    multiples of 16 (float8 matmuls need that). :func:`convert_model_to_fp8_ao` also keeps the model's
+    first and last linear layers in high precision, for stability."""
+    import torch
+
+    if not isinstance(module, torch.nn.Linear):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_model_to_fp8_ao(model: Any, config: Any = None, module_filter_func: Callable[..., bool] | None = None) -> None:
+    """Swap ``model``'s linear layers for torchao's float8 training layers, in place.
+
+    Raises:
+        MissingDependencyError: torchao is not installed.
+    """
+    from hasten.exceptions import MissingDependencyError
+    from hasten.utils.imports import is_torchao_available
+
+    if not is_torchao_available():
+        raise MissingDependencyError("torchao", "fp8 training (`convert_model_to_fp8_ao`)")
+    import torch
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    edges = {linears[0], linears[-1]} if linears else set()
+
+    def default_filter(module: Any, fqn: str) -> bool:
+        return fqn not in edges and filter_first_and_last_linear_layers(module, fqn)
+
+    convert_to_float8_training(model, config=config or Float8LinearConfig(),
+                               module_filter_fn=module_filter_func or default_filter)

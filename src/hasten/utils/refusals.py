@@ -30,6 +30,8 @@ FSDP1 = ("FSDP1 (`FullyShardedDataParallel` wrapper) state-dict helpers", "haste
 ND_PARALLEL = ("tensor / context / sequence parallelism", "hasten runs data parallelism (DDP, FSDP2, HSDP) and "
                "DeepSpeed today; N-D parallelism is tracked in hasten's issue on N-D parallelism")
 LOMO = ("LOMO optimizers", "use a regular torch optimizer (fused AdamW) or DeepSpeed's ZeRO offload")
+CHECKPOINT_INTERNALS = ("Accelerate's checkpoint-folder internals", "save and load with `accelerator.save_state(...)` "
+                        "/ `accelerator.load_state(...)` (and `save_model` for weights only)")
 ACCELERATE_LAUNCHER = ("Accelerate's launcher internals", "start processes with `hasten launch` (or "
                        "`hasten.launchers.notebook.notebook_launcher` in Python)")
 

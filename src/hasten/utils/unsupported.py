@@ -8,7 +8,9 @@ instead (see :mod:`hasten.utils.refusals`). The migrating guide lists them in on
 from __future__ import annotations
 
 from hasten.utils.refusals import (
+    ACCELERATE_LAUNCHER,
     BNB,
+    CHECKPOINT_INTERNALS,
     FSDP1,
     MEGATRON,
     ND_PARALLEL,
@@ -49,3 +51,14 @@ TorchTensorParallelPlugin = refused_class("TorchTensorParallelPlugin", "tp_size 
 TorchTensorParallelConfig = refused_class("TorchTensorParallelConfig", "enable_async_tp", ND_PARALLEL)
 TorchContextParallelConfig = refused_class("TorchContextParallelConfig", "cp_comm_strategy", ND_PARALLEL)
 DeepSpeedSequenceParallelConfig = refused_class("DeepSpeedSequenceParallelConfig", "sp_seq_length sp_seq_length_is_variable sp_attn_implementation", ND_PARALLEL)
+contextual_fp8_autocast = refused_function("contextual_fp8_autocast", "model_forward fp8_recipe use_during_eval",
+                                           TRANSFORMER_ENGINE)
+save_accelerator_state = refused_function(
+    "save_accelerator_state", "output_dir model_states optimizers schedulers dataloaders process_index step scaler "
+    "save_on_each_node safe_serialization", CHECKPOINT_INTERNALS)
+load_accelerator_state = refused_function(
+    "load_accelerator_state", "input_dir models optimizers schedulers dataloaders process_index scaler map_location "
+    "load_kwargs load_model_func_kwargs", CHECKPOINT_INTERNALS)
+prepare_deepspeed_cmd_env = refused_function("prepare_deepspeed_cmd_env", "args", ACCELERATE_LAUNCHER)
+prepare_multi_gpu_env = refused_function("prepare_multi_gpu_env", "args", ACCELERATE_LAUNCHER)
+prepare_simple_launcher_cmd_env = refused_function("prepare_simple_launcher_cmd_env", "args", ACCELERATE_LAUNCHER)
