@@ -14,6 +14,7 @@ from torch import nn
 
 from hasten.accelerator._checkpoint import CheckpointMixin
 from hasten.accelerator._collectives import CollectivesMixin
+from hasten.accelerator._compat import ParallelismMixin
 from hasten.accelerator._prepare import PrepareMixin
 from hasten.accelerator._process import ProcessControlMixin
 from hasten.accelerator._tracking import TrackingMixin
@@ -64,7 +65,8 @@ def _collect_handlers(kwargs_handlers: list[KwargsHandler] | None) -> dict[type,
     return handlers
 
 
-class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin):
+class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin,
+                  ParallelismMixin):
     """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
 
     Example:
