@@ -20,6 +20,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def env_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Accelerate's name: the ``env`` parser, added to ``subparsers`` or standalone."""
+    from hasten.commands.main import standalone_parser
+
+    return standalone_parser(register, subparsers)
+
+
 def _version(name: str) -> str:
     from importlib import metadata
 

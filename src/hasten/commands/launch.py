@@ -102,6 +102,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Accelerate's name: the ``launch`` parser, added to ``subparsers`` or standalone."""
+    from hasten.commands.main import standalone_parser
+
+    return standalone_parser(register, subparsers)
+
+
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The configuration keys the user passed explicitly, with blocks as nested dicts."""
     changes: dict[str, Any] = {}

@@ -5,9 +5,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 # Subcommand modules are imported only when present, so the CLI grows with the library.
-SUBCOMMANDS = ("config", "launch", "test", "env", "estimate_memory", "merge_weights", "to_fsdp2")
+SUBCOMMANDS = ("config", "launch", "test", "env", "estimate_memory", "merge_weights", "to_fsdp2", "tpu")
+
+
+def standalone_parser(register: Any, subparsers: Any = None) -> argparse.ArgumentParser:
+    """Accelerate's ``*_command_parser(subparsers=None)`` convention: add the subcommand to ``subparsers``,
+    or, without them, return it as a parser of its own (``hasten <command>``)."""
+    if subparsers is None:
+        subparsers = argparse.ArgumentParser("hasten").add_subparsers(prog="hasten")
+    return register(subparsers)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def to_fsdp2_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Accelerate's name: the ``to-fsdp2`` parser, added to ``subparsers`` or standalone."""
+    from hasten.commands.main import standalone_parser
+
+    return standalone_parser(register, subparsers)
+
+
 def _read(path: Path) -> dict[str, Any]:
     import json
 
