@@ -118,9 +118,17 @@ def test_every_name_the_examples_use_resolves():
     assert not problems, problems
 
 
+def refused_names() -> list[str]:
+    """The refused names as the docs list them: a refused class stands for its methods."""
+    classes = {r["name"] for r in ROWS if r.get("refused") and "." not in r["name"]}
+    names = {r["name"].split(".")[0] if r["name"].split(".")[0] in classes else r["name"]
+             for r in ROWS if r.get("refused")}
+    return sorted(names)
+
+
 def test_refusals_are_listed_in_the_migrating_page():
     page = (Path(__file__).resolve().parents[1] / "docs" / "migrating.md").read_text()
-    missing = [r["name"] for r in ROWS if r.get("refused") and f"`{r['name']}`" not in page]
+    missing = [name for name in refused_names() if f"`{name}`" not in page]
     assert not missing, f"refused names missing from docs/migrating.md's table: {missing}"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from hasten.big_modeling import compute_module_sizes, infer_auto_device_map
+from hasten.big_modeling import calculate_maximum_sizes, infer_auto_device_map
 from hasten.ops.tree import find_batch_size
 from hasten.utils.refusals import PIPPY, refused_function
 
@@ -31,8 +31,10 @@ def generate_device_map(model: nn.Module, num_processes: int = 1, no_split_modul
     if num_processes < 1:
         raise ValueError(f"generate_device_map: num_processes={num_processes} must be at least 1")
     if max_memory is None:
-        total = compute_module_sizes(model)[""]
-        share = math.ceil(total / num_processes * 1.05) + 1
+        # Each device's budget is its share of the model plus room for the largest layer, which the
+        # placement keeps free on every device, with 10% slack for shared tensors.
+        total, (largest, _) = calculate_maximum_sizes(model)
+        share = math.ceil((total / num_processes + largest) * 1.1)
         max_memory = {index: share for index in range(num_processes)}
     return infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
                                  clean_result=False)

@@ -381,8 +381,15 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
             warnings.warn("join_uneven_inputs does nothing with a single process.", stacklevel=2)
             yield
             return
-        from torch.distributed.algorithms import Join
+        from torch.distributed.algorithms import Join, Joinable
 
+        if not all(isinstance(j, Joinable) for j in joinables):
+            # DDP models are Joinable; FSDP2 modules and DeepSpeed engines are not (as in Accelerate, which
+            # supports joining for DDP only).
+            warnings.warn("join_uneven_inputs only works with DDP (multi-process replicated training); with this "
+                          "set-up it has no effect.", stacklevel=2)
+            yield
+            return
         saved = []
         if even_batches is not None:
             for loader in self._dataloaders:
@@ -390,6 +397,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                 if hasattr(sampler, "even_batches"):
                     saved.append((sampler, sampler.even_batches))
                     sampler.even_batches = even_batches
+                else:
+                    warnings.warn("Overriding even_batches works only for map-style datasets; some of the prepared "
+                                  "data loaders are iterable, so their batches stay as they are.", stacklevel=2)
         try:
             with Join(joinables):
                 yield

@@ -27,13 +27,13 @@ TRANSFORMER_ENGINE = ("NVIDIA Transformer Engine / MS-AMP fp8", "hasten's fp8 pa
                       "(`AORecipeKwargs`), on GPUs with compute capability 8.9 or newer")
 FSDP1 = ("FSDP1 (`FullyShardedDataParallel` wrapper) state-dict helpers", "hasten shards with FSDP2: save and "
          "load with `accelerator.save_state`/`load_state` or `accelerator.get_state_dict(model)`")
-ND_PARALLEL = ("tensor / context / sequence parallelism", "hasten runs data parallelism (DDP, FSDP2, HSDP) and "
+ND_PARALLEL = ("tensor / context / sequence parallelism", "hasten runs data parallelism (DDP, FSDP2) and "
                "DeepSpeed today; N-D parallelism is tracked in hasten's issue on N-D parallelism")
 LOMO = ("LOMO optimizers", "use a regular torch optimizer (fused AdamW) or DeepSpeed's ZeRO offload")
 CHECKPOINT_INTERNALS = ("Accelerate's checkpoint-folder internals", "save and load with `accelerator.save_state(...)` "
                         "/ `accelerator.load_state(...)` (and `save_model` for weights only)")
 ACCELERATE_LAUNCHER = ("Accelerate's launcher internals", "start processes with `hasten launch` (or "
-                       "`hasten.launchers.notebook.notebook_launcher` in Python)")
+                       "`hasten.launchers.notebook_launcher` in Python)")
 
 
 def refusal(name: str, product: tuple[str, str]) -> ConfigurationError:
