@@ -10,7 +10,9 @@ classes are rows named ``Class.method``. The ``refused`` and ``note`` fields are
 in the committed file and kept when the table is regenerated. With ``--examples``, each row also
 lists the example scripts of Accelerate's repository that import or call that name.
 
-``tests/test_accelerate_inventory.py`` reads the table and checks hasten against it.
+It also records each ``accelerate`` subcommand's options (``cli_options``), which
+``tests/test_cli_parity.py`` checks ``hasten``'s against. ``tests/test_accelerate_inventory.py`` reads
+the names and checks hasten against them.
 """
 
 from __future__ import annotations
@@ -195,6 +197,28 @@ def build(examples: Path | None) -> list[dict[str, Any]]:
     return [unique[k] for k in sorted(unique)]
 
 
+def cli_options() -> dict[str, list[dict[str, Any]]]:
+    """Each ``accelerate`` subcommand's options: their spellings and, where restricted, their choices."""
+    from accelerate.commands.config import get_config_parser
+    from accelerate.commands.env import env_command_parser
+    from accelerate.commands.estimate import estimate_command_parser
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.commands.merge import merge_command_parser
+    from accelerate.commands.test import test_command_parser
+    from accelerate.commands.to_fsdp2 import to_fsdp2_command_parser
+    from accelerate.commands.tpu import tpu_command_parser
+
+    parsers = {"launch": launch_command_parser(), "config": get_config_parser(), "env": env_command_parser(),
+               "estimate-memory": estimate_command_parser(), "merge-weights": merge_command_parser(),
+               "test": test_command_parser(), "to-fsdp2": to_fsdp2_command_parser(), "tpu-config": tpu_command_parser()}
+    out = {}
+    for command, parser in parsers.items():
+        out[command] = [{"options": action.option_strings,
+                         "choices": [str(c) for c in action.choices] if action.choices else None}
+                        for action in parser._actions if action.option_strings and action.dest != "help"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=Path, default=None,
@@ -204,7 +228,7 @@ def main() -> None:
 
     rows = build(args.examples)
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"accelerate_version": accelerate.__version__, "names": rows}
+    payload = {"accelerate_version": accelerate.__version__, "cli_options": cli_options(), "names": rows}
     OUT.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"{len(rows)} rows -> {OUT}")
 

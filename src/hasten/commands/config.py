@@ -135,3 +135,10 @@ def update_command(args: argparse.Namespace) -> int:
         return 2
     print(f"Successfully updated the configuration file at {path}.")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script `hasten-config`: this command alone."""
+    parser = config_command_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

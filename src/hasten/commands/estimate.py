@@ -20,3 +20,10 @@ def estimate_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
     from hasten.commands.main import standalone_parser
 
     return standalone_parser(register, subparsers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script `hasten-estimate-memory`: this command alone."""
+    parser = estimate_command_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

@@ -182,7 +182,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
             raise launch_failure(f"notebook_launcher: {_failure_message(exc)}", exc.name, exc.failures) from None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _child_failed_class() -> type:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -21,7 +21,7 @@ _OPERATIONS = {"<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": ope
                ">": operator.gt}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _installed(module: str, min_version: str | None = None, distribution: str | None = None) -> bool:
     try:
         if importlib.util.find_spec(module) is None:
@@ -262,13 +262,13 @@ def is_weights_only_available() -> bool:
 
 
 # ---- devices --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_cuda_available() -> bool:
     """Whether a CUDA (or ROCm) GPU is usable, asked without initialising CUDA when possible."""
     return torch.cuda.is_available()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_rocm_available() -> bool:
     """Whether torch is a ROCm build with a GPU present."""
     return torch.version.hip is not None and torch.cuda.is_available()
@@ -280,7 +280,7 @@ def is_mps_available(min_version: str = "1.12") -> bool:
         torch.backends.mps.is_built()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_xpu_available(check_device: bool = False) -> bool:
     """Whether torch has Intel XPU support (and, with ``check_device``, a device is present)."""
     xpu = getattr(torch, "xpu", None)
@@ -307,37 +307,37 @@ def _vendor_device(module: str, attribute: str, check_device: bool) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_npu_available(check_device: bool = False) -> bool:
     """Whether Ascend NPU support (``torch_npu``) is installed (and, with ``check_device``, a device is present)."""
     return _vendor_device("torch_npu", "npu", check_device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_mlu_available(check_device: bool = False) -> bool:
     """Whether Cambricon MLU support (``torch_mlu``) is installed."""
     return _vendor_device("torch_mlu", "mlu", check_device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_musa_available(check_device: bool = False) -> bool:
     """Whether Moore Threads MUSA support (``torch_musa``) is installed."""
     return _vendor_device("torch_musa", "musa", check_device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_sdaa_available(check_device: bool = False) -> bool:
     """Whether Tecorigin SDAA support (``torch_sdaa``) is installed."""
     return _vendor_device("torch_sdaa", "sdaa", check_device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_neuron_available(check_device: bool = False) -> bool:
     """Whether AWS Neuron support (``torch_neuronx``) is installed."""
     return _vendor_device("torch_neuronx", "neuron", check_device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_hpu_available(init_hccl: bool = False) -> bool:
     """Whether Intel Gaudi support (``habana_frameworks``) is installed."""
     return _installed("habana_frameworks")
@@ -352,7 +352,7 @@ def is_habana_gaudi1() -> bool:
     return htexp._get_device_type() == htexp.synDeviceType.synDeviceGaudi
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = False) -> bool:
     """Whether ``torch_xla`` is installed (hasten has no XLA engine; TPUs are refused at use)."""
     return _installed("torch_xla")
