@@ -219,6 +219,66 @@ def cli_options() -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+CONFIGS_DIR = OUT.parent / "accelerate_configs"
+
+
+def questionnaire_configs() -> dict[str, Any]:
+    """Configuration files as Accelerate writes them (its ``ClusterConfig``, which ``accelerate config``
+    fills from the answers), one per branch of the questionnaire."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import ComputeEnvironment, DistributedType
+
+    local = ComputeEnvironment.LOCAL_MACHINE
+    base = {"compute_environment": local, "use_cpu": False, "debug": False}
+    fsdp = {"fsdp_version": 2, "fsdp_reshard_after_forward": True, "fsdp_offload_params": False,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "BertLayer",
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_sync_module_states": True, "fsdp_activation_checkpointing": False}
+    deepspeed = {"zero_stage": 3, "offload_optimizer_device": "cpu", "offload_param_device": "none",
+                 "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "zero3_save_16bit_model": True,
+                 "zero3_init_flag": True, "deepspeed_multinode_launcher": "standard"}
+    dynamo = {"dynamo_backend": "INDUCTOR", "dynamo_mode": "default", "dynamo_use_fullgraph": False,
+              "dynamo_use_dynamic": False, "dynamo_use_regional_compilation": False}
+    te = {"backend": "TE", "use_autocast_during_eval": False, "margin": 0, "interval": 1, "fp8_format": "HYBRID",
+          "amax_history_length": 1024, "amax_compute_algorithm": "max",
+          "override_linear_precision": [False, False, False]}
+    configs = {
+        "cpu_multi_process": dict(base, distributed_type=DistributedType.MULTI_CPU, mixed_precision="no",
+                                  use_cpu=True, num_processes=2, mpirun_config={}),
+        "multi_gpu_dynamo": dict(base, distributed_type=DistributedType.MULTI_GPU, mixed_precision="bf16",
+                                 num_processes=2, gpu_ids="all", dynamo_config=dynamo),
+        "multi_node": dict(base, distributed_type=DistributedType.MULTI_GPU, mixed_precision="fp16", num_processes=8,
+                           num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", main_process_port=29500,
+                           rdzv_backend="c10d", same_network=True),
+        "fsdp2": dict(base, distributed_type=DistributedType.FSDP, mixed_precision="bf16", num_processes=2,
+                      fsdp_config=fsdp),
+        "deepspeed_zero3": dict(base, distributed_type=DistributedType.DEEPSPEED, mixed_precision="bf16",
+                                num_processes=2, deepspeed_config=deepspeed),
+        "fp8_te": dict(base, distributed_type=DistributedType.MULTI_GPU, mixed_precision="fp8", num_processes=2,
+                       fp8_config=te),
+        "fp8_ao": dict(base, distributed_type=DistributedType.MULTI_GPU, mixed_precision="fp8", num_processes=2,
+                       fp8_config={"backend": "AO", "enable_fsdp_float8_all_gather": True, "pad_inner_dim": True}),
+        "fp8_msamp": dict(base, distributed_type=DistributedType.NO, mixed_precision="fp8",
+                          fp8_config={"backend": "MSAMP", "optimization_level": "O2"}),
+        "megatron_lm": dict(base, distributed_type=DistributedType.MEGATRON_LM, mixed_precision="bf16",
+                            num_processes=2, megatron_lm_config={"megatron_lm_tp_degree": 2,
+                                                                 "megatron_lm_pp_degree": 1}),
+    }
+    return {name: ClusterConfig(**values) for name, values in configs.items()}
+
+
+def write_configs() -> None:
+    """Write :func:`questionnaire_configs` and ``write_basic_config``'s file under ``CONFIGS_DIR``."""
+    from accelerate.utils import write_basic_config
+
+    CONFIGS_DIR.mkdir(parents=True, exist_ok=True)
+    for name, config in questionnaire_configs().items():
+        config.to_yaml_file(CONFIGS_DIR / f"{name}.yaml")
+    basic = CONFIGS_DIR / "write_basic_config.json"
+    basic.unlink(missing_ok=True)
+    write_basic_config(save_location=str(basic))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=Path, default=None,
@@ -231,6 +291,8 @@ def main() -> None:
     payload = {"accelerate_version": accelerate.__version__, "cli_options": cli_options(), "names": rows}
     OUT.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"{len(rows)} rows -> {OUT}")
+    write_configs()
+    print(f"configuration files -> {CONFIGS_DIR}")
 
 
 if __name__ == "__main__":

@@ -185,10 +185,13 @@ def _conflict(first: str, second: str) -> Exception:
 
 def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> Any:
     """The configuration after command-line flags were applied over the configuration file."""
-    from hasten.config.io import find_config_file, load_config_file
+    from hasten.config.io import find_config_file, is_accelerate_config, load_config_file
     from hasten.config.schema import LaunchConfig
 
     path = find_config_file(args.config_file, env)
+    if args.config_file is None and is_accelerate_config(path, env):
+        print(f"hasten launch: using Accelerate's configuration file {path} (hasten has none of its own; "
+              "`hasten config` writes one)", file=sys.stderr)
     base = load_config_file(path) if path is not None else LaunchConfig()
     changes = overrides_from_args(args)
     data = base.to_launch_dict()
