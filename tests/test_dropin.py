@@ -312,3 +312,37 @@ def test_join_uneven_inputs_warns_for_non_joinable_models():
         with accelerator.join_uneven_inputs([torch.nn.Linear(2, 2)]):
             pass
     assert any("only works with DDP" in str(w.message) for w in caught)
+
+
+# -------------------------------------------------------------------------------------------------- fp8
+def test_fp8_is_refused_on_this_machine_naming_the_hardware_requirement():
+    from hasten import Accelerator
+    from hasten.utils import AORecipeKwargs
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("this machine has fp8 hardware")
+    with pytest.raises(ConfigurationError, match="compute capability 8.9 or newer.*torchao.*bf16"):
+        Accelerator(cpu=True, mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
+
+
+def test_fp8_recipe_kwargs_exist_and_validate():
+    from hasten import Accelerator
+    from hasten.utils import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+
+    assert FP8RecipeKwargs(backend="te", amax_history_len=16).backend == "TE"
+    assert TERecipeKwargs(fp8_format="e4m3").fp8_format == "E4M3"
+    with pytest.raises(ConfigurationError, match="fp8_format"):
+        TERecipeKwargs(fp8_format="E3M4")
+    with pytest.raises(ConfigurationError, match="opt_level"):
+        MSAMPRecipeKwargs(opt_level="O3")
+    handler = AORecipeKwargs(pad_inner_dim=True)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[handler])
+    assert accelerator.ao_recipe_handler is handler and accelerator.fp8_backend == "NO"
+
+
+def test_fp8_filter_skips_layers_float8_cannot_multiply():
+    from hasten.utils import filter_first_and_last_linear_layers
+
+    assert filter_first_and_last_linear_layers(torch.nn.Linear(32, 64), "layers.1")
+    assert not filter_first_and_last_linear_layers(torch.nn.Linear(30, 64), "layers.1")
+    assert not filter_first_and_last_linear_layers(torch.nn.ReLU(), "act")

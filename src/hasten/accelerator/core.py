@@ -36,6 +36,7 @@ from hasten.utils.dataclasses import (
     ProfileKwargs,
     ProjectConfiguration,
 )
+from hasten.utils.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
 
 _NOT_GIVEN: Any = object()
 _HANDLER_ATTRIBUTES = {
@@ -44,6 +45,10 @@ _HANDLER_ATTRIBUTES = {
     InitProcessGroupKwargs: "init_handler",
     AutocastKwargs: "autocast_handler",
     ProfileKwargs: "profile_handler",
+    AORecipeKwargs: "ao_recipe_handler",
+    TERecipeKwargs: "te_recipe_handler",
+    MSAMPRecipeKwargs: "msamp_recipe_handler",
+    FP8RecipeKwargs: "fp8_recipe_handler",
 }
 
 
