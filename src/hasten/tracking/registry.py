@@ -8,6 +8,8 @@ import warnings
 from typing import Any
 
 from hasten.exceptions import ConfigurationError, MissingDependencyError
+from hasten.tracking._clearml_comet import ClearMLTracker, CometMLTracker
+from hasten.tracking._local_trackers import AimTracker, DVCLiveTracker, SwanLabTracker, TrackioTracker
 from hasten.tracking._mlflow import MLflowTracker
 from hasten.tracking._tensorboard import TensorBoardTracker
 from hasten.tracking._wandb import WandBTracker
@@ -21,6 +23,12 @@ LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
     "tensorboard": TensorBoardTracker,
     "wandb": WandBTracker,
     "mlflow": MLflowTracker,
+    "comet_ml": CometMLTracker,
+    "aim": AimTracker,
+    "clearml": ClearMLTracker,
+    "dvclive": DVCLiveTracker,
+    "swanlab": SwanLabTracker,
+    "trackio": TrackioTracker,
 }
 
 # The importable module(s) each built-in tracker needs (any one of them), and the pip extra providing it.
@@ -29,6 +37,12 @@ _REQUIREMENTS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
     "wandb": (("wandb",), "wandb"),
     "mlflow": (("mlflow",), "mlflow"),
+    "comet_ml": (("comet_ml",), "comet_ml"),
+    "aim": (("aim",), "aim"),
+    "clearml": (("clearml",), "clearml"),
+    "dvclive": (("dvclive",), "dvclive"),
+    "swanlab": (("swanlab",), "swanlab"),
+    "trackio": (("trackio",), "trackio"),
 }
 
 
