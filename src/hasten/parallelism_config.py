@@ -29,8 +29,14 @@ class ParallelismConfig:
     Args:
         dp_replicate_size: replicated data parallelism (DDP).
         dp_shard_size: sharded data parallelism (FSDP2).
-        tp_size, cp_size, sp_size: tensor, context and sequence parallelism (refused when > 1).
-        cp_backend, sp_backend, tp_handler, cp_handler, sp_handler: their settings (kept for compatibility).
+        tp_size: tensor parallelism (refused when > 1).
+        cp_size: context parallelism (refused when > 1).
+        cp_backend: context-parallel backend (kept for compatibility).
+        sp_size: sequence parallelism (refused when > 1).
+        sp_backend: sequence-parallel backend (kept for compatibility).
+        tp_handler: tensor-parallel settings object (kept for compatibility).
+        cp_handler: context-parallel settings object (kept for compatibility).
+        sp_handler: sequence-parallel settings object (kept for compatibility).
     """
 
     dp_replicate_size: int | None = None

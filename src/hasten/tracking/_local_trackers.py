@@ -212,7 +212,7 @@ class TrackioTracker(GeneralTracker):
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         """Add ``values`` to the run's config."""
         trackio = _require("trackio", "trackio", self.name)
-        trackio.config.update({k: as_python_scalar(v) for k, v in values.items()}, allow_val_change=True)
+        trackio.config.update({k: as_python_scalar(v) for k, v in values.items()})
 
     @on_main_process
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
