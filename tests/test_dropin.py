@@ -346,3 +346,28 @@ def test_fp8_filter_skips_layers_float8_cannot_multiply():
     assert filter_first_and_last_linear_layers(torch.nn.Linear(32, 64), "layers.1")
     assert not filter_first_and_last_linear_layers(torch.nn.Linear(30, 64), "layers.1")
     assert not filter_first_and_last_linear_layers(torch.nn.ReLU(), "act")
+
+
+@pytest.mark.launch
+def test_notebook_launcher_failure_is_a_child_failed_error(tmp_path):
+    import os
+    import textwrap
+
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        def train():
+            raise ValueError("rank failed on purpose")
+
+        if __name__ == "__main__":
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+            from hasten.exceptions import LaunchError
+            from hasten.launchers import notebook_launcher
+            try:
+                notebook_launcher(train, num_processes=2)
+            except ChildFailedError as exc:
+                print("CAUGHT", isinstance(exc, LaunchError), "rank failed on purpose" in str(exc))
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TMPDIR=str(tmp_path),
+               HASTEN_HOME=str(tmp_path / "home"), PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert "CAUGHT True True" in proc.stdout, proc.stdout + proc.stderr
