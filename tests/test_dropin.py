@@ -371,3 +371,61 @@ def test_notebook_launcher_failure_is_a_child_failed_error(tmp_path):
                HASTEN_HOME=str(tmp_path / "home"), PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert "CAUGHT True True" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ small helpers
+def test_model_and_dict_helpers():
+    from hasten.utils import (
+        clean_state_dict_for_safetensors,
+        compile_regions,
+        convert_bytes,
+        extract_model_from_parallel,
+        get_module_children_bottom_up,
+        get_pretty_name,
+        has_compiled_regions,
+        merge_dicts,
+        recursive_getattr,
+    )
+
+    assert merge_dicts({"a": {"b": 1}, "c": 2}, {"a": {"d": 3}}) == {"a": {"d": 3, "b": 1}, "c": 2}
+    assert convert_bytes(3 * 2**30) == "3.0 GB" and convert_bytes(512) == "512 bytes"
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 1 +
+                                                                          [torch.nn.Linear(2, 2)]))
+    assert recursive_getattr(model, "1.0.weight") is model[1][0].weight
+    assert get_pretty_name(torch.nn.Linear) == "Linear"
+    assert get_module_children_bottom_up(model)[-1] is model
+    tied = {"a": model[0].weight, "b": model[0].weight, "c": model[1][0].weight}
+    assert list(clean_state_dict_for_safetensors(tied)) == ["a", "c"]
+    compiled = compile_regions(model)
+    assert has_compiled_regions(compiled) and not has_compiled_regions(model)
+    assert isinstance(compiled[1][0], torch._dynamo.eval_frame.OptimizedModule)
+    assert extract_model_from_parallel(torch.compile(model), keep_torch_compile=False) is model
+
+
+def test_custom_state_and_save_load_round_trip(tmp_path, cpu_accelerator):
+    from hasten.utils import load, load_custom_state, save, save_custom_state
+
+    source, target = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    save_custom_state(source, tmp_path, index=1)
+    assert (tmp_path / "custom_checkpoint_1.pkl").is_file()
+    load_custom_state(target, tmp_path, index=1)
+    assert torch.equal(source.weight, target.weight)
+    save(source.state_dict(), tmp_path / "w.safetensors", safe_serialization=True)
+    assert torch.equal(load(tmp_path / "w.safetensors")["weight"], source.weight.detach())
+    save({"step": 3}, tmp_path / "s.pt")
+    assert load(tmp_path / "s.pt") == {"step": 3}
+
+
+def test_environment_helpers(monkeypatch):
+    import os
+
+    from hasten.utils import clear_environment, convert_dict_to_env_variables, get_current_device_type
+
+    monkeypatch.setenv("HASTEN_DROPIN_TEST", "1")
+    with clear_environment():
+        assert "HASTEN_DROPIN_TEST" not in os.environ
+    assert os.environ["HASTEN_DROPIN_TEST"] == "1"
+    with pytest.warns(UserWarning, match="BAD"):
+        lines = convert_dict_to_env_variables({"A": "1", "BAD": "x y"})
+    assert lines == ["A=1\n"]
+    assert get_current_device_type() == (("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo"))
