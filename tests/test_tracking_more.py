@@ -113,8 +113,9 @@ def _run_tracker(tracker) -> None:
     tracker.finish()
 
 
-def test_dvclive_writes_params_and_metrics(tmp_path):
+def test_dvclive_writes_params_and_metrics(tmp_path, monkeypatch):
     pytest.importorskip("dvclive")
+    monkeypatch.chdir(tmp_path)  # DVCLive writes dvc.yaml in the current folder
     import csv
 
     import yaml
