@@ -13,20 +13,21 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # statement is (module level or inside a function); only `if TYPE_CHECKING:` blocks are exempt.
 LAYERS = [
     ["hasten.exceptions", "hasten.utils"],
-    ["hasten.config"],
+    ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],
     ["hasten.strategies"],
     ["hasten.connector"],
     ["hasten.state", "hasten.logging"],
-    ["hasten.data", "hasten.optim", "hasten.tracking"],
-    ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader"],
-    ["hasten.commands", "hasten.testing"],
+    ["hasten.data", "hasten.optim", "hasten.tracking", "hasten.optimizer", "hasten.scheduler"],
+    ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader",
+     "hasten.hooks", "hasten.inference"],
+    ["hasten.commands", "hasten.testing", "hasten.test_utils"],
 ]
 # Accelerate-compatible re-export facades resolve their names lazily, from every layer: `hasten`,
-# `hasten.utils`, and the two `accelerate.utils.<module>` paths whose names live higher up
-# (`tqdm` in hasten.logging, `wait_for_everyone` in hasten.state).
-FACADES = {"hasten", "hasten.utils", "hasten.utils.tqdm", "hasten.utils.other"}
+# `hasten.utils`, and the `accelerate.utils.<module>` paths whose names live higher up
+# (`tqdm` in hasten.logging, `wait_for_everyone` in hasten.state, the operations helpers).
+FACADES = {"hasten", "hasten.utils", "hasten.utils.tqdm", "hasten.utils.other", "hasten.utils.operations"}
 ENV_ALLOWED = ("config/env.py", "environments/", "utils/environment.py", "launchers/", "commands/", "testing/",
                "strategies/deepspeed.py", "utils/deepspeed_runtime.py")
 

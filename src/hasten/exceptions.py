@@ -32,3 +32,7 @@ class LaunchError(HastenError, RuntimeError):
 
 class CheckpointError(HastenError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or does not match what is being restored."""
+
+
+#: Accelerate's name for the error its debug mode raises (``accelerate.utils.operations``); the same class.
+DistributedOperationException = DistributedOperationError

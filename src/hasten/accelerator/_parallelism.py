@@ -49,8 +49,8 @@ def build_mesh(config: Any, strategy: Any) -> Any:
     return config.build_device_mesh(strategy.device.type)
 
 
-class ParallelismMixin(AcceleratorBase):
-    """Accelerate's N-D members."""
+class NDParallelismMixin(AcceleratorBase):
+    """Accelerate's N-D members, real when a ``ParallelismConfig`` is given (else the one-dimensional answers)."""
 
     @property
     def parallelism_config(self) -> Any:
@@ -65,6 +65,43 @@ class ParallelismMixin(AcceleratorBase):
         where they span more than one dimension.
         """
         return self.state.device_mesh
+
+    def _mesh_rank(self, dim: str, enabled: bool, fallback: str) -> int:
+        """This process's index along mesh dimension ``dim`` (0 when it is not in use), as Accelerate answers."""
+        if self._settings.parallelism_config is None:
+            return int(getattr(super(), fallback))
+        mesh = self.torch_device_mesh
+        return int(mesh.get_local_rank(dim)) if enabled and mesh is not None else 0
+
+    @property
+    def is_composable_parallelism_enabled(self) -> bool:
+        """True when data parallelism is composed with sharding or tensor/context parallelism on a mesh."""
+        config = self._settings.parallelism_config
+        return config is not None and (config.dp_shard_enabled or config.tp_enabled or config.cp_enabled)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Index along ``dp_replicate`` (Accelerate's meaning; 0 without replication)."""
+        config = self._settings.parallelism_config
+        return self._mesh_rank("dp_replicate", config is not None and config.dp_replicate_enabled, "data_parallel_rank")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """Index along ``dp_shard`` (0 without sharding)."""
+        config = self._settings.parallelism_config
+        return self._mesh_rank("dp_shard", config is not None and config.dp_shard_enabled, "data_parallel_shard_rank")
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """Index along ``tp`` (0 without tensor parallelism)."""
+        config = self._settings.parallelism_config
+        return self._mesh_rank("tp", config is not None and config.tp_enabled, "tensor_parallel_rank")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """Index along ``cp`` (0 without context parallelism)."""
+        config = self._settings.parallelism_config
+        return self._mesh_rank("cp", config is not None and config.cp_enabled, "context_parallel_rank")
 
     def _data_parallel_position(self) -> tuple[int, int]:
         """``(data-parallel size, this process's data-parallel rank)`` for sharding batches."""
@@ -101,4 +138,4 @@ class ParallelismMixin(AcceleratorBase):
             yield
 
 
-__all__ = ["ParallelismMixin", "build_mesh", "check_parallelism_sizes"]
+__all__ = ["NDParallelismMixin", "build_mesh", "check_parallelism_sizes"]

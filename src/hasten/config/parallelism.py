@@ -321,6 +321,9 @@ def _block_fields(launch: Mapping[str, Any]) -> dict[str, Any]:
             sizes["cp_handler"] = TorchContextParallelConfig(cp_comm_strategy=str(value))
         elif name in ("cp_backend", "sp_backend"):
             sizes[name] = str(value)
+        elif name.startswith("sp_"):
+            raise ConfigurationError(f"parallelism_config {key}={value!r}: DeepSpeed-Ulysses sequence parallelism is "
+                                     "not available in hasten.")
         else:
             raise ConfigurationError(f"Unknown parallelism_config key {key!r}: expected parallelism_config_"
                                      f"{{{', '.join(_SIZE_FIELDS)}, cp_backend, sp_backend, cp_comm_strategy}}.")

@@ -5,6 +5,7 @@ Part of the ``hasten.utils`` facade: the name resolves lazily, on first access.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 
@@ -14,3 +15,16 @@ def __getattr__(name: str) -> Any:
 
         return wait_for_everyone
     raise AttributeError(f"module 'hasten.utils.other' has no attribute {name!r}")
+
+
+class ThreadLocalSharedDict(threading.local):
+    """A dictionary shared by the objects of one thread (Accelerate uses it for per-thread XLA state)."""
+
+    def __init__(self, thread_local: bool = False) -> None:
+        self._storage: dict[str, Any] = {}
+
+    def __get__(self, obj: Any, objtype: Any = None) -> dict[str, Any]:
+        return self._storage
+
+    def __set__(self, obj: Any, value: dict[str, Any]) -> None:
+        self._storage = value
