@@ -227,7 +227,11 @@ def test_hsdp_matches_ddp_and_tp_matches_one_process(tmp_path):
 @pytest.mark.world_size(4, timeout=400)
 def test_data_follows_the_mesh_and_metrics_gather_each_sample_once():
     accelerator, model, optimizer = _prepared(_config(shard=2, tp=2))
-    assert (accelerator.num_processes, accelerator._data_parallel_position()) == (4, (2, dist.get_rank() // 2))
+    rank = dist.get_rank()
+    assert (accelerator.num_processes, accelerator._data_parallel_position()) == (4, (2, rank // 2))
+    assert (accelerator.data_parallel_shard_rank, accelerator.tensor_parallel_rank) == (rank // 2, rank % 2)
+    assert (accelerator.data_parallel_rank, accelerator.context_parallel_rank) == (0, 0)  # not in use: 0
+    assert accelerator.is_composable_parallelism_enabled
     loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(10).float(), batch_size=2))
     seen, gathered = [], []
     for batch in loader:
@@ -239,6 +243,12 @@ def test_data_follows_the_mesh_and_metrics_gather_each_sample_once():
     assert torch.equal(everyone[0], everyone[1]) and torch.equal(everyone[2], everyone[3])  # TP pairs share
     assert not torch.equal(everyone[0], everyone[2])  # the two data-parallel ranks do not
     assert sorted(torch.cat(gathered).tolist()) == [float(i) for i in range(10)]  # once each, padding dropped
+    # Accelerate's prepare_data_loader(torch_device_mesh=...) shards the same way, over the mesh's "dp" view.
+    from hasten.data import prepare_data_loader
+
+    by_mesh = prepare_data_loader(torch.utils.data.DataLoader(torch.arange(10).float(), batch_size=2),
+                                  torch_device_mesh=accelerator.torch_device_mesh, put_on_device=False)
+    assert torch.equal(torch.cat(list(by_mesh)), mine)
 
 
 @pytest.mark.world_size(4, timeout=400)

@@ -1,5 +1,6 @@
-"""Accelerator members for features hasten runs in their trivial form (one data-parallel dimension, no
-context/sequence parallelism, no LOMO): they answer what Accelerate answers in that case."""
+"""Accelerator members for features hasten runs in their trivial form (no sequence parallelism, no LOMO), and
+the one-dimensional answers of the mesh members: with a ``ParallelismConfig``, ``accelerator/_parallelism.py``
+(earlier in the Accelerator's bases) answers from the real mesh instead."""
 
 from __future__ import annotations
 

@@ -140,8 +140,9 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
         data_seed: seed of the shuffling generator (else drawn once from the global RNG).
         non_blocking: asynchronous device copies.
         use_stateful_dataloader: must be False (hasten loaders are resumable without torchdata).
-        torch_device_mesh: a one-dimensional data-parallel ``DeviceMesh`` (its size and this rank's place in it
-            are used); meshes with more dimensions are refused (N-D parallelism).
+        torch_device_mesh: a ``DeviceMesh``: a one-dimensional one is the data-parallel dimension; an N-D one
+            (``accelerator.torch_device_mesh``) shards over its flattened ``"dp"`` view, so the ranks of one
+            tensor/context-parallel group read the same batches.
 
     Example:
         >>> loader = prepare_data_loader(DataLoader(range(10), batch_size=2), num_processes=2, process_index=1)
@@ -160,11 +161,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
                                  "the other processes' devices).")
     state = PartialState()
     if torch_device_mesh is not None:
-        if torch_device_mesh.ndim != 1:
-            raise ConfigurationError(f"prepare_data_loader(torch_device_mesh=<{torch_device_mesh.ndim}-D mesh>): hasten "
-                                     "shards data over a one-dimensional data-parallel mesh only (N-D parallelism is "
-                                     "not supported yet).")
-        num_processes, process_index = torch_device_mesh.size(), torch_device_mesh.get_local_rank()
+        num_processes, process_index = _data_parallel_place(torch_device_mesh)
     num_processes = state.num_processes if num_processes is None else num_processes
     process_index = state.process_index if process_index is None else process_index
     device = (device if device is not None else state.device) if put_on_device else None
@@ -281,3 +278,16 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     else:
         kwargs.update(sampler=dataloader.sampler, batch_size=None)
     return SkipDataLoader(dataset, skip_batches=num_batches, **kwargs)
+
+
+def _data_parallel_place(mesh: Any) -> tuple[int, int]:
+    """``(data-parallel size, this rank's index)`` on ``mesh``: itself if 1-D, else its ``"dp"`` view."""
+    if mesh.ndim == 1:
+        return mesh.size(), mesh.get_local_rank()
+    try:
+        dp = mesh["dp"]
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise ConfigurationError(f"prepare_data_loader(torch_device_mesh=<{mesh.ndim}-D mesh {mesh.mesh_dim_names}>): an "
+                                 "N-D mesh needs a flattened 'dp' dimension (ParallelismConfig.build_device_mesh makes "
+                                 "one) to know which ranks read different batches.") from exc
+    return dp.size(), dp.get_local_rank()
