@@ -180,7 +180,7 @@ def test_default_location_follows_environment(tmp_path):
     assert default_config_file({"HASTEN_HOME": str(tmp_path)}) == tmp_path / "default_config.yaml"
     assert default_config_file({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "hasten" / "default_config.yaml"
     assert default_config_file({"HOME": str(tmp_path)}) == tmp_path / ".cache" / "hasten" / "default_config.yaml"
-    assert find_config_file(None, {"HASTEN_HOME": str(tmp_path)}) is None
+    assert find_config_file(None, {"HASTEN_HOME": str(tmp_path), "HOME": str(tmp_path)}) is None
     with pytest.raises(ConfigurationError, match="no such file"):
         find_config_file(tmp_path / "missing.yaml", {})
 

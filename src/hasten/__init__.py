@@ -43,6 +43,9 @@ _EXPORTS = {
     "infer_auto_device_map": "hasten.big_modeling",
     "load_checkpoint_in_model": "hasten.big_modeling",
     "TorchDynamoPlugin": "hasten.utils.dataclasses",
+    "ParallelismConfig": "hasten.parallelism_config",
+    "is_rich_available": "hasten.utils.imports",
+    "prepare_pippy": "hasten.inference",
 }
 
 

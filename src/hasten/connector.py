@@ -54,7 +54,30 @@ def _precision(explicit: Any, launch: Mapping[str, Any]) -> str:
         value = launched or "no"
     if value not in SUPPORTED and value != "fp8":
         raise ConfigurationError(f"Unknown mixed_precision {value!r}: choose one of {SUPPORTED}.")
+    if value == "fp8":
+        _check_fp8_hardware()
     return value
+
+
+def _check_fp8_hardware() -> None:
+    """fp8 training needs fp8 matrix units: refuse clearly, naming the requirement, where there are none."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        found = "no CUDA GPU"
+    elif torch.cuda.get_device_capability() < (8, 9):
+        major, minor = torch.cuda.get_device_capability()
+        found = f"a GPU of compute capability {major}.{minor} ({torch.cuda.get_device_name()})"
+    elif importlib.util.find_spec("torchao") is None:
+        found = "a capable GPU but not torchao (`pip install torchao`)"
+    else:
+        return
+    raise ConfigurationError(
+        f"mixed_precision='fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada or Hopper: L4, "
+        f"RTX 4090, H100...) and torchao, whose float8 training hasten uses; this machine has {found}. "
+        "HINT: use mixed_precision='bf16' (or 'fp16') here.")
 
 
 def _accumulation(steps: Any, plugin: Any, launch: Mapping[str, Any]) -> int:

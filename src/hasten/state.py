@@ -37,6 +37,7 @@ from hasten.ops.collectives import barrier
 from hasten.ops.debug import disable_debug_checks, enable_debug_checks
 from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
 from hasten.utils.environment import is_env_set
+from hasten.utils.other import ThreadLocalSharedDict as ThreadLocalSharedDict
 from hasten.utils.split import split_inputs
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -46,11 +47,35 @@ _STATE_ATTRIBUTES = (
 )
 
 
-def _do_nothing(*args: Any, **kwargs: Any) -> None:
+def do_nothing(*args: Any, **kwargs: Any) -> None:
+    """Accept anything, do nothing (the function ``on_process`` decorators return on the other ranks)."""
     return None
 
 
-class PartialState:
+_do_nothing = do_nothing
+
+
+def is_initialized() -> bool:
+    """Whether an ``Accelerator`` set up the shared ``AcceleratorState`` in this process."""
+    return AcceleratorState._shared_state != {}
+
+
+class _Borg:
+    """Pickling a state object gives, on unpickling, an object that joins the unpickling process's state."""
+
+    _shared_state: dict[str, Any]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_attach, (type(self),))
+
+
+def _attach(cls: type) -> Any:
+    obj = cls.__new__(cls)
+    obj.__dict__ = cls._shared_state
+    return obj
+
+
+class PartialState(_Borg):
     """Where this process sits and what it computes on; starts the process group when there are peers.
 
     Args:
@@ -109,12 +134,10 @@ class PartialState:
         self.num_local_processes = info.local_world_size if info.world_size == world else world
         self.distributed_type = DistributedType(device_kind.distributed_type) if world > 1 else DistributedType.NO
         self.timeout = timeout
+        self._debug = False
         self.debug = hasten_env.debug_mode()
         self.fork_launched = False
         self._owns_group = owns_group
-        if self.debug and world > 1:
-            group = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-            enable_debug_checks(group, timeout)
         if owns_group:
             _install_exit_teardown()
 
@@ -123,6 +146,27 @@ class PartialState:
     def initialized(self) -> bool:
         """True once a ``PartialState`` was created in this process (and not reset)."""
         return self._shared_state != {}
+
+    @property
+    def debug(self) -> bool:
+        """Debug mode: collectives first check that every rank calls the same one with matching shapes.
+
+        Setting it (on every rank, like ``HASTEN_DEBUG_MODE=1``) turns the checks on or off; a mismatch
+        raises ``DistributedOperationError`` (Accelerate's ``DistributedOperationException``).
+        """
+        return bool(self.__dict__.get("_debug", False))
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        value = bool(value)
+        if value == self.__dict__.get("_debug", False):
+            return
+        self.__dict__["_debug"] = value
+        if not value:
+            disable_debug_checks()
+        elif self.num_processes > 1:
+            group = None if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
+            enable_debug_checks(group, self.timeout)
 
     @property
     def use_distributed(self) -> bool:
@@ -263,8 +307,9 @@ class PartialState:
         self.device_kind.setup(self.device)
 
     def destroy_process_group(self, group: Any = None) -> None:
-        """Tear down the process group (idempotent). hasten also does this at exit for groups it started."""
-        if group is None and self.fork_launched:
+        """Tear down the process group (idempotent; also after ``_reset_state()``). hasten also does this at
+        exit for groups it started."""
+        if group is None and PartialState._shared_state.get("fork_launched", False):
             return
         process_group.end_group(group=group)
         if group is None:
@@ -276,7 +321,7 @@ class PartialState:
         cls._shared_state.clear()
 
 
-class AcceleratorState:
+class AcceleratorState(_Borg):
     """``PartialState`` plus what the ``Accelerator`` decided: precision, plugins.
 
     Only the ``Accelerator`` creates it (``_from_accelerator=True``); afterwards ``AcceleratorState()``
@@ -331,6 +376,40 @@ class AcceleratorState:
     def __repr__(self) -> str:
         return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"
 
+    # What PartialState answers, as real members (Accelerate's AcceleratorState has them too).
+    destroy_process_group = PartialState.destroy_process_group
+    wait_for_everyone = PartialState.wait_for_everyone
+    print = PartialState.print
+    _goes_first = PartialState._goes_first
+    main_process_first = PartialState.main_process_first
+    local_main_process_first = PartialState.local_main_process_first
+    split_between_processes = PartialState.split_between_processes
+    is_main_process = PartialState.is_main_process
+    is_local_main_process = PartialState.is_local_main_process
+    is_last_process = PartialState.is_last_process
+    use_distributed = PartialState.use_distributed
+
+    fork_launched = property(lambda self: bool(PartialState._shared_state.get("fork_launched", False)),
+                             doc="Whether ``notebook_launcher``/``debug_launcher`` forked this process.")
+
+    debug = property(lambda self: self._partial.debug, lambda self, value: setattr(self._partial, "debug", value),
+                     doc="Debug mode (see ``PartialState.debug``); setting it here sets it for the whole process.")
+
+    def get_deepspeed_plugin(self, name: str) -> Any:
+        """The DeepSpeed plugin registered under ``name`` (``deepspeed_plugins`` as a dict)."""
+        plugins = self.deepspeed_plugins
+        if not isinstance(plugins, dict) or name not in plugins:
+            raise ValueError(f"no DeepSpeed plugin named {name!r}; known: {list(plugins or {}) if isinstance(plugins, dict) else []}")
+        return plugins[name]
+
+    def select_deepspeed_plugin(self, name: str | None = None) -> None:
+        """Make the plugin ``name`` the active one (the first of ``deepspeed_plugins`` when several are given)."""
+        plugins = self.deepspeed_plugins
+        if not isinstance(plugins, dict):
+            raise ValueError("select_deepspeed_plugin needs several named plugins: `deepspeed_plugin={'a': ..., 'b': ...}`")
+        chosen = self.get_deepspeed_plugin(name) if name is not None else next(iter(plugins.values()))
+        self.deepspeed_plugins = {k: v for k, v in [(name, chosen)] + [(k, v) for k, v in plugins.items() if k != name]}
+
     @property
     def is_fsdp2(self) -> bool:
         return self.fsdp_plugin is not None
@@ -349,7 +428,7 @@ class AcceleratorState:
             PartialState._reset_state()
 
 
-class GradientState:
+class GradientState(_Borg):
     """Gradient-synchronisation state shared by the Accelerator, its optimizers and data loaders."""
 
     _shared_state: dict[str, Any] = {}
@@ -373,6 +452,11 @@ class GradientState:
     @property
     def num_steps(self) -> int:
         return int(self.plugin_kwargs.get("num_steps", 1))
+
+    @property
+    def is_xla_gradients_synced(self) -> bool:
+        """Always False: hasten has no XLA engine."""
+        return False
 
     @property
     def adjust_scheduler(self) -> bool:

@@ -14,6 +14,7 @@ from torch import nn
 
 from hasten.accelerator._checkpoint import CheckpointMixin
 from hasten.accelerator._collectives import CollectivesMixin
+from hasten.accelerator._compat import ParallelismMixin
 from hasten.accelerator._prepare import PrepareMixin
 from hasten.accelerator._process import ProcessControlMixin
 from hasten.accelerator._tracking import TrackingMixin
@@ -36,6 +37,7 @@ from hasten.utils.dataclasses import (
     ProfileKwargs,
     ProjectConfiguration,
 )
+from hasten.utils.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
 
 _NOT_GIVEN: Any = object()
 _HANDLER_ATTRIBUTES = {
@@ -44,6 +46,10 @@ _HANDLER_ATTRIBUTES = {
     InitProcessGroupKwargs: "init_handler",
     AutocastKwargs: "autocast_handler",
     ProfileKwargs: "profile_handler",
+    AORecipeKwargs: "ao_recipe_handler",
+    TERecipeKwargs: "te_recipe_handler",
+    MSAMPRecipeKwargs: "msamp_recipe_handler",
+    FP8RecipeKwargs: "fp8_recipe_handler",
 }
 
 
@@ -65,7 +71,8 @@ def _collect_handlers(kwargs_handlers: list[KwargsHandler] | None) -> dict[type,
     return handlers
 
 
-class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin):
+class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin,
+                  ParallelismMixin):
     """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
 
     Example:
@@ -103,6 +110,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         handlers = _collect_handlers(kwargs_handlers)
         for cls, attribute in _HANDLER_ATTRIBUTES.items():
             setattr(self, attribute, handlers.get(cls))
+        if mixed_precision is None and AcceleratorState._shared_state:
+            # A second Accelerator in the process reuses the first one's precision, as in Accelerate.
+            mixed_precision = AcceleratorState._shared_state.get("_mixed_precision")
         launch = hasten_env.launch_config_dict()
         self._settings = resolve_settings(
             {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -117,6 +127,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)
         self.state.distributed_type = self._strategy.distributed_type
+        self.state._strategy = self._strategy  # for the static trigger_sync_in_backward
         self._strategy.setup()
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
             num_steps=self._settings.gradient_accumulation_steps, adjust_scheduler=False)
@@ -284,10 +295,18 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         with self._strategy.no_sync(model):
             yield
 
+    @staticmethod
     @contextlib.contextmanager
-    def trigger_sync_in_backward(self, model: nn.Module) -> Iterator[None]:
-        """Make the next backward synchronise even after forwards run under ``no_sync``."""
-        with self._strategy.trigger_sync_in_backward(model):
+    def trigger_sync_in_backward(model: nn.Module) -> Iterator[None]:
+        """Make the next backward synchronise even after forwards run under ``no_sync``.
+
+        A staticmethod, as in Accelerate: it asks the strategy of the process's Accelerator.
+        """
+        strategy = AcceleratorState._shared_state.get("_strategy")
+        if strategy is None:
+            yield
+            return
+        with strategy.trigger_sync_in_backward(model):
             yield
 
     @contextlib.contextmanager
@@ -377,8 +396,15 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
             warnings.warn("join_uneven_inputs does nothing with a single process.", stacklevel=2)
             yield
             return
-        from torch.distributed.algorithms import Join
+        from torch.distributed.algorithms import Join, Joinable
 
+        if not all(isinstance(j, Joinable) for j in joinables):
+            # DDP models are Joinable; FSDP2 modules and DeepSpeed engines are not (as in Accelerate, which
+            # supports joining for DDP only).
+            warnings.warn("join_uneven_inputs only works with DDP (multi-process replicated training); with this "
+                          "set-up it has no effect.", stacklevel=2)
+            yield
+            return
         saved = []
         if even_batches is not None:
             for loader in self._dataloaders:
@@ -386,6 +412,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                 if hasattr(sampler, "even_batches"):
                     saved.append((sampler, sampler.even_batches))
                     sampler.even_batches = even_batches
+                else:
+                    warnings.warn("Overriding even_batches works only for map-style datasets; some of the prepared "
+                                  "data loaders are iterable, so their batches stay as they are.", stacklevel=2)
         try:
             with Join(joinables):
                 yield

@@ -10,6 +10,10 @@ from hasten.big_modeling.dispatch import (cpu_offload, cpu_offload_with_hook, di
 from hasten.big_modeling.hooks import (AlignDevicesHook, CpuOffload, ModelHook, SequentialHook, UserCpuOffloadHook,
                                        WeightPrefetcher, add_hook_to_module, remove_hook_from_module,
                                        remove_hook_from_submodules)
+from hasten.big_modeling.extras import (LayerwiseCastingHook, SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING,
+                                        align_module_device, attach_layerwise_casting_hooks,
+                                        check_tied_parameters_on_same_device, ensure_weights_retied,
+                                        get_state_dict_offloaded_model)
 from hasten.big_modeling.init import init_empty_weights, init_on_device
 from hasten.big_modeling.loading import load_checkpoint_in_model, load_state_dict
 from hasten.big_modeling.offload import (OffloadedWeightsLoader, PrefixedDataset, extract_submodules_state_dict,
@@ -23,4 +27,4 @@ from hasten.big_modeling.tensors import (dtype_byte_size, find_tied_parameters, 
                                          set_module_tensor_to_device)
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in {
-    "attach", "device_map", "dispatch", "hooks", "init", "loading", "offload", "sizes", "tensors"}]
+    "attach", "device_map", "dispatch", "extras", "hooks", "init", "loading", "offload", "sizes", "tensors"}]

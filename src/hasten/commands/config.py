@@ -18,16 +18,36 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="Where to write the file (default: the default configuration file).")
     parser.set_defaults(func=config_command)
     sub = parser.add_subparsers(dest="config_command", metavar="{default,update}")
-    default = sub.add_parser("default", help="Write a default file for this machine, without questions.")
+    default_command_parser(sub, [])
+    update_command_parser(sub, [])
+    return parser
+
+
+def config_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Accelerate's name: the ``config`` parser (with ``default`` and ``update``), added or standalone."""
+    from hasten.commands.main import standalone_parser
+
+    return standalone_parser(register, subparsers)
+
+
+def default_command_parser(parser: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``default`` to the ``config`` subparsers ``parser``."""
+    default = parser.add_parser("default", parents=parents,
+                                help="Write a default file for this machine, without questions.")
     default.add_argument("--config_file", "--config-file", dest="save_location", default=None,
                          help="Where to write the file.")
     default.add_argument("--mixed_precision", "--mixed-precision", choices=["no", "fp16", "bf16"], default="no",
                          help="Mixed precision to record.")
     default.set_defaults(func=default_command)
-    update = sub.add_parser("update", help="Rewrite an existing file with the current keys.")
+    return default
+
+
+def update_command_parser(parser: Any, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``update`` to the ``config`` subparsers ``parser``."""
+    update = parser.add_parser("update", parents=parents, help="Rewrite an existing file with the current keys.")
     update.add_argument("--config_file", "--config-file", default=None, help="The file to update.")
     update.set_defaults(func=update_command)
-    return parser
+    return update
 
 
 def _target(path: str | None) -> Path:
@@ -98,3 +118,10 @@ def update_command(args: argparse.Namespace) -> int:
         return 2
     print(f"Successfully updated the configuration file at {path}.")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script `hasten-config`: this command alone."""
+    parser = config_command_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

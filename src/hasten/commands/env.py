@@ -20,6 +20,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def env_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Accelerate's name: the ``env`` parser, added to ``subparsers`` or standalone."""
+    from hasten.commands.main import standalone_parser
+
+    return standalone_parser(register, subparsers)
+
+
 def _version(name: str) -> str:
     from importlib import metadata
 
@@ -70,14 +77,15 @@ def collect_environment(config_file: str | None = None) -> dict[str, Any]:
 
 
 def _config_summary(config_file: str | None) -> Any:
-    from hasten.config.io import find_config_file, load_config_file
+    from hasten.config.io import find_config_file, is_accelerate_config, load_config_file
     from hasten.exceptions import ConfigurationError
 
     try:
         path = find_config_file(config_file)
         if path is None:
             return "not found (run `hasten config`)"
-        return {"path": str(path), **load_config_file(path).to_dict()}
+        source = {"source": "Accelerate's default configuration file"} if is_accelerate_config(path) else {}
+        return {"path": str(path), **source, **load_config_file(path).to_dict()}
     except ConfigurationError as exc:
         return f"invalid: {exc}"
 

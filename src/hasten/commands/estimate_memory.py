@@ -26,7 +26,7 @@ class EstimateError(ValueError):
     """A model that cannot be built offline; the message says why and what to pass instead."""
 
 
-def register(subparsers: Any) -> None:
+def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``estimate-memory`` subcommand."""
     parser = subparsers.add_parser(
         "estimate-memory", help="Estimate the memory a model needs (built on the meta device, offline).",
@@ -42,6 +42,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
                         help="allow a transformers config folder to run its own modelling code")
     parser.set_defaults(func=run)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,17 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+DYNAMO_BACKENDS = ["no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser", "cudagraphs", "ofi",
+                   "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once",
+                   "torhchxla_trace_once", "tvm"]  # the last-but-one spelling is Accelerate's own typo, kept
+MEGATRON_LM_KEYS = ("tp_degree", "use_custom_fsdp", "no_load_optim", "eod_mask_loss", "overlap_cpu_optimizer_d2h_h2d",
+                    "no_save_optim", "optimizer_cpu_offload", "use_precision_aware_optimizer",
+                    "decoder_last_pipeline_num_layers", "pp_degree", "num_micro_batches", "sequence_parallelism",
+                    "recompute_activations", "use_distributed_optimizer", "gradient_clipping",
+                    "recompute_granularity", "recompute_method", "recompute_num_layers", "attention_backend",
+                    "expert_model_parallel_size", "context_parallel_size", "attention_dropout", "hidden_dropout",
+                    "attention_softmax_in_fp32", "expert_tensor_parallel_size", "calculate_per_token_loss",
+                    "use_rotary_position_embeddings")
 # (flag, config key or None for run options, block or None, argparse keyword arguments, help)
 _STORE = {"action": "store_const", "const": True}
 FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
@@ -37,8 +48,10 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
     ("--main_training_function", "main_training_function", None, {}, "Training function name (TPU)."),
     ("--downcast_bf16", "downcast_bf16", None, _STORE, "TPU bf16 downcast (kept for compatibility)."),
     ("--debug", "debug", None, _STORE, "Check collectives across ranks (shapes) to turn hangs into errors."),
-    ("--dynamo_backend", "dynamo_backend", "dynamo_config", {}, "torch.compile backend (e.g. inductor)."),
-    ("--dynamo_mode", "dynamo_mode", "dynamo_config", {}, "torch.compile mode."),
+    ("--dynamo_backend", "dynamo_backend", "dynamo_config", {"type": str.lower, "choices": DYNAMO_BACKENDS},
+     "torch.compile backend (e.g. inductor)."),
+    ("--dynamo_mode", "dynamo_mode", "dynamo_config", {"choices": ["default", "reduce-overhead", "max-autotune"]},
+     "torch.compile mode."),
     ("--dynamo_use_fullgraph", "dynamo_use_fullgraph", "dynamo_config", _STORE, "torch.compile fullgraph."),
     ("--dynamo_use_dynamic", "dynamo_use_dynamic", "dynamo_config", _STORE, "torch.compile dynamic shapes."),
     ("--dynamo_use_regional_compilation", "dynamo_use_regional_compilation", "dynamo_config", _STORE,
@@ -50,11 +63,42 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
         "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_hostfile",
         "deepspeed_exclusion_filter", "deepspeed_inclusion_filter", "deepspeed_multinode_launcher",
         "deepspeed_moe_layer_cls_names")),
+    ("--fsdp_version", "fsdp_version", "fsdp_config", {"choices": ["1", "2"]},
+     "FSDP version: 2 (FSDP2, fully_shard); 1 is refused with its FSDP2 equivalent."),
     *((f"--{key}", key, "fsdp_config", {}, f"FSDP: {key}.") for key in (
-        "fsdp_version", "fsdp_offload_params", "fsdp_min_num_params", "fsdp_sharding_strategy",
+        "fsdp_activation_checkpointing_offload", "fsdp_offload_params", "fsdp_min_num_params", "fsdp_sharding_strategy",
         "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
         "fsdp_backward_prefetch", "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
         "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_activation_checkpointing")),
+    *((f"--fp8_{flag}", key, "fp8_config", kwargs, f"fp8 recipe: {key} (fp8 needs torchao and a GPU of compute "
+       "capability 8.9 or newer).") for flag, key, kwargs in (
+        ("backend", "backend", {"choices": ["ao", "te", "msamp"]}),
+        ("use_autocast_during_eval", "use_autocast_during_eval", _STORE),
+        ("margin", "margin", {"type": int}), ("interval", "interval", {"type": int}),
+        ("format", "fp8_format", {"choices": ["HYBRID", "E4M3", "E5M2"]}),
+        ("amax_history_len", "amax_history_length", {"type": int}),
+        ("amax_compute_algo", "amax_compute_algorithm", {"choices": ["max", "most_recent"]}),
+        ("override_linear_precision", "override_linear_precision", {}),
+        ("opt_level", "optimization_level", {"choices": ["O1", "O2"]}),
+        ("enable_fsdp_float8_all_gather", "enable_fsdp_float8_all_gather", {}),
+        ("pad_inner_dim", "pad_inner_dim", {}))),
+    ("--use_parallelism_config", "use_parallelism_config", None, _STORE,
+     "Use the parallelism_config_* sizes (hasten: refused, N-D parallelism is not available yet)."),
+    *((f"--parallelism_config_{key}", f"parallelism_config_{key}", "parallelism_config",
+       {"type": int} if key.endswith("size") else {"choices": choices} if choices else {},
+       f"N-D parallelism: {key} (refused above size 1).") for key, choices in (
+        ("dp_replicate_size", None), ("dp_shard_size", None), ("tp_size", None), ("cp_size", None),
+        ("cp_backend", ["torch"]), ("cp_comm_strategy", None), ("sp_size", None), ("sp_backend", ["deepspeed"]),
+        ("sp_seq_length", None), ("sp_seq_length_is_variable", None), ("sp_attn_implementation", None))),
+    *((f"--megatron_lm_{key}", f"megatron_lm_{key}", "megatron_lm_config", {}, "Megatron-LM (refused).")
+      for key in MEGATRON_LM_KEYS),
+    ("--tpu_cluster", "tpu_use_cluster", None, _STORE, "TPU pod (refused: hasten has no TPU engine)."),
+    ("--no_tpu_cluster", "tpu_use_cluster", None, {"action": "store_const", "const": False}, "Not a TPU pod."),
+    ("--tpu_use_sudo", "tpu_use_sudo", None, _STORE, "TPU pod: sudo (refused)."),
+    ("--vm", "tpu_vm", None, {"action": "append"}, "TPU pod VM (refused)."),
+    ("--env", "tpu_env", None, {"action": "append"}, "TPU pod environment variable (refused)."),
+    ("--aws_access_key_id", None, None, {}, "SageMaker (refused: hasten does not launch on SageMaker)."),
+    ("--aws_secret_access_key", None, None, {}, "SageMaker (refused)."),
     ("--num_cpu_threads_per_process", None, None, {"type": int}, "OMP_NUM_THREADS of each worker."),
     ("--rdzv_conf", None, None, {"default": ""}, "Extra rendezvous settings: key=value,key2=value2."),
     ("--max_restarts", None, None, {"type": int, "default": 0}, "Restart the worker group up to N times."),
@@ -102,6 +146,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def launch_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Accelerate's name: the ``launch`` parser, added to ``subparsers`` or standalone."""
+    from hasten.commands.main import standalone_parser
+
+    return standalone_parser(register, subparsers)
+
+
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The configuration keys the user passed explicitly, with blocks as nested dicts."""
     changes: dict[str, Any] = {}
@@ -134,10 +185,13 @@ def _conflict(first: str, second: str) -> Exception:
 
 def resolve_config(args: argparse.Namespace, env: Mapping[str, str]) -> Any:
     """The configuration after command-line flags were applied over the configuration file."""
-    from hasten.config.io import find_config_file, load_config_file
+    from hasten.config.io import find_config_file, is_accelerate_config, load_config_file
     from hasten.config.schema import LaunchConfig
 
     path = find_config_file(args.config_file, env)
+    if args.config_file is None and is_accelerate_config(path, env):
+        print(f"hasten launch: using Accelerate's configuration file {path} (hasten has none of its own; "
+              "`hasten config` writes one)", file=sys.stderr)
     base = load_config_file(path) if path is not None else LaunchConfig()
     changes = overrides_from_args(args)
     data = base.to_launch_dict()
@@ -167,6 +221,9 @@ def launch_command(args: argparse.Namespace) -> int:
     try:
         if args.max_restarts < 0:
             raise ConfigurationError(f"--max_restarts={args.max_restarts} must be 0 or more.")
+        if args.aws_access_key_id or args.aws_secret_access_key:
+            raise ConfigurationError("--aws_access_key_id/--aws_secret_access_key are for Amazon SageMaker launches, "
+                                     "which hasten does not support. HINT: run `hasten launch` on the instances.")
         options = options_from_args(args)
         plan = build_plan(resolve_config(args, os.environ), options, os.environ)
     except (ConfigurationError, LaunchError) as exc:

@@ -16,9 +16,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                     "OUTPUT_PATH/model.safetensors. Runs in one process on the CPU.")
     parser.add_argument("checkpoint_directory", help="the DCP model folder, or a save_state folder holding one")
     parser.add_argument("output_path", help="folder to write model.safetensors (or pytorch_model.bin) into")
-    parser.add_argument("--unsafe_serialization", action="store_true",
+    parser.add_argument("--unsafe_serialization", "--unsafe-serialization", action="store_true",
                         help="write pytorch_model.bin with torch.save instead of safetensors")
-    parser.add_argument("--remove_checkpoint_dir", action="store_true",
+    parser.add_argument("--remove_checkpoint_dir", "--remove-checkpoint-dir", action="store_true",
                         help="delete checkpoint_directory after a successful merge")
     parser.set_defaults(func=merge_weights_command)
     return parser

@@ -25,6 +25,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def test_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Accelerate's name: the ``test`` parser, added to ``subparsers`` or standalone."""
+    from hasten.commands.main import standalone_parser
+
+    return standalone_parser(register, subparsers)
+
+
 def test_command(args: argparse.Namespace) -> int:
     """Launch the sanity script; its last line is the success message, or a check's failure."""
     from hasten.commands.launch import build_launch_parser, launch_command

@@ -15,11 +15,18 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         description="Rewrite the fsdp_config block of a launch configuration file for FSDP2: "
                     "fsdp_sharding_strategy becomes fsdp_reshard_after_forward, FSDP1-only keys are removed, "
                     "fsdp_version becomes 2.")
-    parser.add_argument("--config_file", required=True, help="the YAML (or JSON) configuration file to convert")
-    parser.add_argument("--output_file", default=None, help="where to write the result (required without --overwrite)")
+    parser.add_argument("--config_file", "--config-file", required=True, help="the YAML (or JSON) configuration file to convert")
+    parser.add_argument("--output_file", "--output-file", default=None, help="where to write the result (required without --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace --config_file in place")
     parser.set_defaults(func=to_fsdp2_command)
     return parser
+
+
+def to_fsdp2_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """Accelerate's name: the ``to-fsdp2`` parser, added to ``subparsers`` or standalone."""
+    from hasten.commands.main import standalone_parser
+
+    return standalone_parser(register, subparsers)
 
 
 def _read(path: Path) -> dict[str, Any]:

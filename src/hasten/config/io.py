@@ -1,7 +1,8 @@
 """Where the configuration file lives, and reading/writing it (YAML or JSON, written atomically).
 
 Default location: ``$HASTEN_HOME/default_config.yaml``, else ``$XDG_CACHE_HOME/hasten/default_config.yaml``,
-else ``~/.cache/hasten/default_config.yaml``. Functions take an ``env`` mapping (the process
+else ``~/.cache/hasten/default_config.yaml``. Without one, Accelerate's default file
+(``~/.cache/huggingface/accelerate/default_config.yaml``, or under ``$HF_HOME``) is read. Functions take an ``env`` mapping (the process
 environment by default) so they can be tested without touching the real environment.
 """
 
@@ -47,9 +48,38 @@ def default_config_file(env: Mapping[str, str] | None = None) -> Path:
     return config_home(env) / CONFIG_FILE_NAME
 
 
+def accelerate_config_file(env: Mapping[str, str] | None = None) -> Path | None:
+    """Accelerate's default configuration file, if one exists: ``$HF_HOME/accelerate/default_config.yaml``
+    (``HF_HOME`` defaults to ``$XDG_CACHE_HOME/huggingface``, i.e. ``~/.cache/huggingface``), or the
+    ``default_config.json`` older Accelerate versions wrote there.
+
+    Example:
+        >>> accelerate_config_file({"HF_HOME": "/nonexistent"}) is None
+        True
+    """
+    env = current_environment() if env is None else env
+    if env.get("HF_HOME"):
+        hf_home = Path(env["HF_HOME"]).expanduser()
+    else:
+        cache = env.get("XDG_CACHE_HOME")
+        base = Path(cache).expanduser() if cache else Path(env.get("HOME") or Path.home()).expanduser() / ".cache"
+        hf_home = base / "huggingface"
+    for name in (CONFIG_FILE_NAME, "default_config.json"):
+        candidate = hf_home / "accelerate" / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def is_accelerate_config(path: Path | None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``path`` is Accelerate's default file (found because hasten has none of its own)."""
+    return path is not None and path == accelerate_config_file(env)
+
+
 def find_config_file(config_file: str | os.PathLike[str] | None,
                      env: Mapping[str, str] | None = None) -> Path | None:
-    """The file to read: ``config_file`` if given (it must exist), else the default file if it exists.
+    """The file to read: ``config_file`` if given (it must exist), else hasten's default file if it exists,
+    else Accelerate's default file (:func:`accelerate_config_file`) if that exists.
 
     Raises:
         ConfigurationError: ``config_file`` was given but does not exist.
@@ -61,7 +91,7 @@ def find_config_file(config_file: str | os.PathLike[str] | None,
                                      f"`hasten config --config_file {config_file}` or fix the path.")
         return path
     default = default_config_file(env)
-    return default if default.is_file() else None
+    return default if default.is_file() else accelerate_config_file(env)
 
 
 def read_config_dict(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]:

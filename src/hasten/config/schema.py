@@ -30,7 +30,7 @@ BLOCK_KEYS: dict[str, tuple[str, ...]] = {
         "fsdp_backward_prefetch", "fsdp_backward_prefetch_policy", "fsdp_forward_prefetch",
         "fsdp_cpu_ram_efficient_loading", "fsdp_offload_params", "fsdp_reshard_after_forward",
         "fsdp_sharding_strategy", "fsdp_state_dict_type", "fsdp_sync_module_states", "fsdp_use_orig_params",
-        "fsdp_activation_checkpointing", "fsdp_ignored_modules"),
+        "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload", "fsdp_ignored_modules"),
     "deepspeed_config": (
         "deepspeed_config_file", "deepspeed_hostfile", "deepspeed_multinode_launcher",
         "deepspeed_inclusion_filter", "deepspeed_exclusion_filter", "deepspeed_moe_layer_cls_names",
@@ -39,9 +39,12 @@ BLOCK_KEYS: dict[str, tuple[str, ...]] = {
         "zero3_save_16bit_model"),
     "dynamo_config": ("dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
                       "dynamo_use_regional_compilation"),
-    "fp8_config": ("backend", "fp8_format", "margin", "interval", "amax_history_length", "amax_compute_algorithm",
-                   "override_linear_precision", "use_autocast_during_eval", "optimization_level",
-                   "enable_fsdp_float8_all_gather", "pad_inner_dim"),
+    # Accelerate writes both spellings: the questionnaire `amax_history_length`, the launcher and the recipe
+    # kwargs `amax_history_len` (likewise amax_compute_algo(rithm) and opt_level / optimization_level).
+    "fp8_config": ("backend", "fp8_format", "margin", "interval", "amax_history_length", "amax_history_len",
+                   "amax_compute_algorithm", "amax_compute_algo", "override_linear_precision",
+                   "use_autocast_during_eval", "optimization_level", "opt_level", "enable_fsdp_float8_all_gather",
+                   "pad_inner_dim", "use_mxfp8_block_scaling"),
     "mpirun_config": ("mpirun_hostfile", "mpirun_ccl"),
 }
 # Blocks whose keys are open-ended but share a prefix.
@@ -102,6 +105,8 @@ class LaunchConfig:
     commands: list[str] | None = field(default=None, metadata=_kind("list"))
     tpu_vm: list[str] | None = field(default=None, metadata=_kind("list"))
     tpu_env: list[str] | None = field(default=None, metadata=_kind("list"))
+    # None = not set, so files hasten writes stay readable by Accelerate versions without the key.
+    use_parallelism_config: bool | None = field(default=None, metadata=_kind("bool"))
 
     # ------------------------------------------------------------------------------------ conversion
     @classmethod

@@ -232,6 +232,9 @@ class ResumableMixin:
         self.set_epoch(int(state_dict.get("epoch", 0)))  # type: ignore[attr-defined]
         self._pending_skip = int(state_dict.get("batches_yielded", 0))
 
+    def adjust_state_dict_for_prefetch(self) -> None:
+        """Nothing to adjust: the state counts batches handed to the loop, never ones read ahead."""
+
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch of the next pass and forward it to whatever understands epochs."""
         self.iteration = epoch
@@ -386,10 +389,45 @@ def _sampler_of(loader: DataLoader) -> Any:
     return getattr(owner, "sampler", None)
 
 
-class SkipDataLoader(_IndexSkipMixin, DataLoader):
+class DataLoaderAdapter(_IndexSkipMixin, ResumableMixin, DataLoader):
+    """A plain ``DataLoader`` with the resumable state of hasten's loaders (Accelerate's common base).
+
+    ``state_dict()`` / ``load_state_dict()`` record the epoch, the shuffling generators' states at the
+    start of the pass and the batches handed out, so a restored loader continues the interrupted pass
+    with the same order.
+
+    Args:
+        dataset: the dataset.
+        use_stateful_dataloader: must be False (hasten loaders are resumable without torchdata).
+        batch_sampler: a batch sampler (as for ``DataLoader``).
+        **kwargs: ``torch.utils.data.DataLoader`` arguments.
+    """
+
+    def __init__(self, dataset: Any, use_stateful_dataloader: bool = False, batch_sampler: Any = None,
+                 **kwargs: Any) -> None:
+        _check_unsupported(use_stateful_dataloader, None)
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        self.use_stateful_dataloader = False
+        self._init_resume(0, 0)
+
+    def __iter__(self) -> Iterator[Any]:
+        token, skip = self._start_pass()
+        progress = self._progress
+        iterator, data_skip = self._open_iterator(skip)
+        for _ in range(data_skip):
+            if next(iterator, _END) is _END:
+                break
+        for batch in iterator:
+            progress[0] += 1
+            yield batch
+        self._finish_pass(token)
+
+
+class SkipDataLoader(DataLoaderAdapter):
     """A ``DataLoader`` whose next pass starts ``skip_batches`` batches in; later passes are whole.
 
-    (Accelerate's skips on every pass.) Map-style datasets skip indices without loading data.
+    (Accelerate's skips on every pass.) Map-style datasets skip indices without loading data; the
+    loader is resumable like its siblings (``state_dict`` / ``load_state_dict``).
 
     Example:
         >>> loader = SkipDataLoader(list(range(16)), batch_size=4, skip_batches=2)
@@ -401,15 +439,14 @@ class SkipDataLoader(_IndexSkipMixin, DataLoader):
 
     def __init__(self, dataset: Any, skip_batches: int = 0, use_stateful_dataloader: bool = False,
                  **kwargs: Any) -> None:
-        _check_unsupported(use_stateful_dataloader, None)
-        super().__init__(dataset, **kwargs)
+        super().__init__(dataset, use_stateful_dataloader=use_stateful_dataloader, **kwargs)
         self.skip_batches = skip_batches
-        self._pending_skip = int(skip_batches)
+        self._init_resume(0, skip_batches)
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub names its private iterator
-        skip, self._pending_skip = self._pending_skip, 0
-        iterator, data_skip = self._open_iterator(skip)
-        return itertools.islice(iterator, data_skip, None) if data_skip else iterator
+
+def get_sampler(dataloader: DataLoader) -> Any:
+    """The index sampler of a loader (inside its batch sampler, sharded or not)."""
+    return _sampler_of(dataloader)
 
 
 def batch_size_of(batch: Any) -> int:

@@ -114,7 +114,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
                         rng_types: list[Any] | None = None, dispatch_batches: bool | None = None,
                         even_batches: bool = True, slice_fn_for_dispatch: Callable[..., Any] | None = None,
                         use_seedable_sampler: bool = False, data_seed: int | None = None, non_blocking: bool = False,
-                        use_stateful_dataloader: bool = False) -> DataLoader:
+                        use_stateful_dataloader: bool = False, torch_device_mesh: Any = None) -> DataLoader:
     """Shard ``dataloader`` so this process reads only its batches; returns a new ``DataLoader``.
 
     Same arguments, defaults and index assignment as Accelerate's ``prepare_data_loader``. The result is a
@@ -140,6 +140,8 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
         data_seed: seed of the shuffling generator (else drawn once from the global RNG).
         non_blocking: asynchronous device copies.
         use_stateful_dataloader: must be False (hasten loaders are resumable without torchdata).
+        torch_device_mesh: a one-dimensional data-parallel ``DeviceMesh`` (its size and this rank's place in it
+            are used); meshes with more dimensions are refused (N-D parallelism).
 
     Example:
         >>> loader = prepare_data_loader(DataLoader(range(10), batch_size=2), num_processes=2, process_index=1)
@@ -157,6 +159,12 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
         raise ConfigurationError("dispatch_batches=True requires put_on_device=True (process 0 sends batches to "
                                  "the other processes' devices).")
     state = PartialState()
+    if torch_device_mesh is not None:
+        if torch_device_mesh.ndim != 1:
+            raise ConfigurationError(f"prepare_data_loader(torch_device_mesh=<{torch_device_mesh.ndim}-D mesh>): hasten "
+                                     "shards data over a one-dimensional data-parallel mesh only (N-D parallelism is "
+                                     "not supported yet).")
+        num_processes, process_index = torch_device_mesh.size(), torch_device_mesh.get_local_rank()
     num_processes = state.num_processes if num_processes is None else num_processes
     process_index = state.process_index if process_index is None else process_index
     device = (device if device is not None else state.device) if put_on_device else None

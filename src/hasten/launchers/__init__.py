@@ -1,6 +1,29 @@
 """Launchers: how processes are created (torchrun's elastic agent in-process, mpirun, SLURM tasks, a plain
 subprocess, and fork-based ``notebook_launcher`` / ``debug_launcher``).
 
-Nothing is imported here so that ``hasten launch`` pays only for the launcher it uses; import
-``hasten.launchers.plan``, ``hasten.launchers.torchrun``, ... or ``hasten.launchers.notebook`` directly.
+Only Accelerate's names (``notebook_launcher``, ``debug_launcher``, ``test_launch``, ``PrepareForLaunch``)
+are offered here, resolved lazily, so that ``hasten launch`` pays only for the launcher it uses; import
+``hasten.launchers.plan``, ``hasten.launchers.torchrun``, ... directly for the rest.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {"notebook_launcher": "hasten.launchers.notebook", "debug_launcher": "hasten.launchers.notebook",
+            "test_launch": "hasten.launchers.compat", "PrepareForLaunch": "hasten.launchers.compat"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hasten.launchers' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605

@@ -175,7 +175,31 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
         try:
             elastic_launch(config=launch, entrypoint=_rank_main(function))(*args)
         except ChildFailedError as exc:
-            raise LaunchError(f"notebook_launcher: {_failure_message(exc)}") from None
+            raise launch_failure(f"notebook_launcher: {_failure_message(exc)}", exc.name, exc.failures) from None
+
+
+@functools.cache
+def _child_failed_class() -> type:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    class ChildLaunchError(LaunchError, ChildFailedError):  # type: ignore[misc]
+        """A launched process failed: hasten's ``LaunchError`` that is also torch's ``ChildFailedError``
+        (what Accelerate's launchers raise), so either ``except`` clause catches it."""
+
+        def __init__(self, message: str, name: str, failures: dict[int, Any]) -> None:
+            Exception.__init__(self, message)
+            self.name = name
+            self.failures = failures
+
+        def __str__(self) -> str:
+            return str(self.args[0])
+
+    return ChildLaunchError
+
+
+def launch_failure(message: str, name: str, failures: dict[int, Any] | None = None) -> LaunchError:
+    """The error a failed ``notebook_launcher``/``debug_launcher`` raises (a ``LaunchError`` and a ``ChildFailedError``)."""
+    return _child_failed_class()(message, name, dict(failures or {}))
 
 
 def _debug_rank(rank: int, function: Callable[..., Any], args: tuple[Any, ...], world: int, folder: str) -> None:
@@ -221,4 +245,5 @@ def debug_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), num
         except Exception as exc:  # noqa: BLE001 - re-raised with every rank's own traceback
             reports = [f"--- rank {r} ---\n{p.read_text()}" for r in range(num_processes)
                        if (p := Path(folder, f"rank{r}.err")).exists()]
-            raise LaunchError("debug_launcher: " + (_root_cause_first(reports) or str(exc))) from None
+            raise launch_failure("debug_launcher: " + (_root_cause_first(reports) or str(exc)),
+                                 getattr(function, "__name__", "function")) from None

@@ -134,6 +134,7 @@ def check_engine_available(config: LaunchConfig) -> None:
     if kind in _NOT_AVAILABLE:
         raise ConfigurationError(f"distributed_type={kind}: {_NOT_AVAILABLE[kind]} are not available in hasten. "
                                  "HINT: use MULTI_GPU, MULTI_CPU, FSDP or DEEPSPEED.")
+    refuse_unsupported_settings(config)
     if kind in _ENGINE_MODULES:
         module, name = _ENGINE_MODULES[kind]
         try:
@@ -143,6 +144,23 @@ def check_engine_available(config: LaunchConfig) -> None:
         if not found:
             raise ConfigurationError(f"distributed_type={kind}: {name} support is not available in this version "
                                      "of hasten yet. HINT: use --multi_gpu (DDP) meanwhile.")
+
+
+def refuse_unsupported_settings(config: LaunchConfig) -> None:
+    """Refuse settings of features hasten does not run (Megatron-LM, TPU pods, N-D parallelism), which
+    Accelerate's configuration files and launch flags can carry, instead of silently ignoring them."""
+    if config.megatron_lm_config:
+        raise ConfigurationError(f"megatron_lm settings {sorted(config.megatron_lm_config)}: Megatron-LM is not "
+                                 "available in hasten. HINT: train large models with --use_fsdp or --use_deepspeed.")
+    if config.tpu_use_cluster or config.tpu_use_sudo or config.tpu_vm or config.tpu_env:
+        raise ConfigurationError("TPU pod settings (--tpu_cluster, --tpu_use_sudo, --vm, --env): TPUs are not "
+                                 "supported by hasten. HINT: run on CPUs or CUDA GPUs, or use Accelerate on TPUs.")
+    sizes = {k: v for k, v in config.parallelism_config.items() if k.endswith("_size") and str(v) not in ("1", "-1")}
+    if config.use_parallelism_config or sizes:
+        raise ConfigurationError(
+            f"parallelism_config {sizes or '(--use_parallelism_config)'}: N-D parallelism (tensor, context, sequence, "
+            "2-D data-parallel meshes) is not available in hasten yet. HINT: use --multi_gpu (DDP), --use_fsdp "
+            "(FSDP2 over all processes) or --use_deepspeed.")
 
 
 def local_device_count(env: Mapping[str, str]) -> int:

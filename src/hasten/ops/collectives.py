@@ -73,7 +73,7 @@ def gather(tensor: Any) -> Any:
     return recursively_apply(_gather_one, tensor)
 
 
-def gather_object(obj: Any) -> Any:
+def gather_object(object: Any) -> Any:  # noqa: A002 - Accelerate's parameter name
     """Gather picklable objects from every process.
 
     Each process usually passes a list; the lists are joined in rank order (one level flattened, as in
@@ -83,11 +83,11 @@ def gather_object(obj: Any) -> Any:
         >>> gather_object([f"rank {rank}"])  # on 2 processes -> ['rank 0', 'rank 1']
     """
     if not is_distributed():
-        return obj
+        return object
     if debug_checks_enabled():
         verify_operation("gather_object", None, same_shapes=False)
     parts: list[Any] = [None] * _world()
-    dist.all_gather_object(parts, obj)
+    dist.all_gather_object(parts, object)
     out: list[Any] = []
     for part in parts:
         if isinstance(part, (list, tuple)):

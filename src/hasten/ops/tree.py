@@ -8,9 +8,9 @@ from typing import Any, cast
 import torch
 
 
-def is_torch_tensor(value: Any) -> bool:
+def is_torch_tensor(tensor: Any) -> bool:
     """True for a ``torch.Tensor``."""
-    return isinstance(value, torch.Tensor)
+    return isinstance(tensor, torch.Tensor)
 
 
 def is_namedtuple(data: Any) -> bool:
@@ -148,8 +148,13 @@ def concatenate(data: list[Any], dim: int = 0) -> Any:
     return torch.cat(list(data), dim=dim)
 
 
-def slice_tensors(data: Any, tensor_slice: slice | int) -> Any:
-    """Apply ``tensor_slice`` to every tensor of a nested structure."""
+def slice_tensors(data: Any, tensor_slice: slice | int, process_index: int | None = None,
+                  num_processes: int | None = None) -> Any:
+    """Apply ``tensor_slice`` to every tensor of a nested structure.
+
+    ``process_index`` and ``num_processes`` are accepted for Accelerate compatibility (its XLA path
+    used them); the slice alone decides the result.
+    """
     return recursively_apply(lambda t: t[tensor_slice], data)
 
 

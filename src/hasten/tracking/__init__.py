@@ -12,6 +12,8 @@ Example:
     >>> accelerator.end_training()
 """
 
+from hasten.tracking._clearml_comet import ClearMLTracker, CometMLTracker
+from hasten.tracking._local_trackers import AimTracker, DVCLiveTracker, SwanLabTracker, TrackioTracker
 from hasten.tracking._mlflow import MLflowTracker
 from hasten.tracking._tensorboard import TensorBoardTracker
 from hasten.tracking._wandb import WandBTracker
@@ -26,6 +28,12 @@ from hasten.tracking.registry import (
 )
 
 __all__ = [
+    "AimTracker",
+    "ClearMLTracker",
+    "CometMLTracker",
+    "DVCLiveTracker",
+    "SwanLabTracker",
+    "TrackioTracker",
     "GeneralTracker",
     "JSONLTracker",
     "LOGGER_TYPE_TO_CLASS",

@@ -8,6 +8,8 @@ import warnings
 from typing import Any
 
 from hasten.exceptions import ConfigurationError, MissingDependencyError
+from hasten.tracking._clearml_comet import ClearMLTracker, CometMLTracker
+from hasten.tracking._local_trackers import AimTracker, DVCLiveTracker, SwanLabTracker, TrackioTracker
 from hasten.tracking._mlflow import MLflowTracker
 from hasten.tracking._tensorboard import TensorBoardTracker
 from hasten.tracking._wandb import WandBTracker
@@ -21,6 +23,12 @@ LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
     "tensorboard": TensorBoardTracker,
     "wandb": WandBTracker,
     "mlflow": MLflowTracker,
+    "comet_ml": CometMLTracker,
+    "aim": AimTracker,
+    "clearml": ClearMLTracker,
+    "dvclive": DVCLiveTracker,
+    "swanlab": SwanLabTracker,
+    "trackio": TrackioTracker,
 }
 
 # The importable module(s) each built-in tracker needs (any one of them), and the pip extra providing it.
@@ -29,10 +37,16 @@ _REQUIREMENTS: dict[str, tuple[tuple[str, ...], str | None]] = {
     "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
     "wandb": (("wandb",), "wandb"),
     "mlflow": (("mlflow",), "mlflow"),
+    "comet_ml": (("comet_ml",), "comet_ml"),
+    "aim": (("aim",), "aim"),
+    "clearml": (("clearml",), "clearml"),
+    "dvclive": (("dvclive",), "dvclive"),
+    "swanlab": (("swanlab",), "swanlab"),
+    "trackio": (("trackio",), "trackio"),
 }
 
 
-def register_tracker_class(cls: type[GeneralTracker]) -> type[GeneralTracker]:
+def register_tracker_class(tracker_class: type[GeneralTracker]) -> type[GeneralTracker]:
     """Make a tracker class selectable by name: ``log_with="<cls.name>"`` (usable as a class decorator).
 
     The class is built like the built-ins: ``cls(project_name, logging_dir, **init_kwargs)`` when it
@@ -46,6 +60,7 @@ def register_tracker_class(cls: type[GeneralTracker]) -> type[GeneralTracker]:
         ...     ...
         >>> Accelerator(log_with="csv", project_dir="runs")
     """
+    cls = tracker_class
     if not (isinstance(cls, type) and issubclass(cls, GeneralTracker)):
         raise TypeError(f"register_tracker_class needs a GeneralTracker subclass, got {cls!r}")
     name = getattr(cls, "name", None)

@@ -169,6 +169,12 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def to_dict(self, ignore_keys: tuple[str, ...] = ("comm_hook", "comm_wrapper", "comm_state_option")) -> dict[str, Any]:
         return {k: v for k, v in super().to_dict().items() if k not in ignore_keys}
 
+    def register_comm_hook(self, model: Any) -> None:
+        """Install this handler's ``comm_hook`` (optionally wrapped by ``comm_wrapper``) on a DDP model."""
+        from hasten.strategies.ddp import register_comm_hook
+
+        register_comm_hook(model, self)
+
 
 @dataclass
 class GradScalerKwargs(KwargsHandler):

@@ -11,34 +11,42 @@ _TRUE = {"1", "true", "yes", "y", "on", "t"}
 _FALSE = {"0", "false", "no", "n", "off", "f", ""}
 
 
-def str_to_bool(value: str) -> int:
-    """Convert a truthy/falsy string to 1 or 0, as Accelerate does.
+def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
+    """Convert a truthy/falsy string to 1 or 0 (``True``/``False`` with ``to_bool``), as Accelerate does.
 
     Example:
-        >>> str_to_bool("yes")
-        1
+        >>> str_to_bool("yes"), str_to_bool("off", to_bool=True)
+        (1, False)
 
     Raises:
         ValueError: the string is neither truthy nor falsy.
     """
     lowered = value.strip().lower()
     if lowered in _TRUE:
-        return 1
+        return True if to_bool else 1
     if lowered in _FALSE:
-        return 0
+        return False if to_bool else 0
     raise ValueError(f"invalid truth value {value!r}: use one of {sorted(_TRUE | _FALSE - {''})}")
 
 
-def parse_flag_from_env(key: str, default: bool = False, env: Mapping[str, str] | None = None) -> bool:
-    """Read a boolean flag from ``env`` (``os.environ`` by default)."""
-    env = os.environ if env is None else env
-    value = env.get(key)
+def parse_flag_from_env(key: str, default: bool = False) -> bool:
+    """Read a boolean flag from the environment: ``parse_flag_from_env("HASTEN_DEBUG_MODE")``."""
+    value = os.environ.get(key)
     return default if value is None else bool(str_to_bool(value))
 
 
-def get_int_from_env(env_keys: list[str], default: int, env: Mapping[str, str] | None = None) -> int:
-    """Return the first non-negative integer found under ``env_keys``, else ``default``."""
-    env = os.environ if env is None else env
+def parse_choice_from_env(key: str, default: str = "no") -> str:
+    """Read a string setting from the environment, ``default`` when unset."""
+    return os.environ.get(key, str(default))
+
+
+def get_int_from_env(env_keys: list[str], default: int) -> int:
+    """Return the first non-negative integer found under ``env_keys`` in the environment, else ``default``."""
+    return int_from_env(env_keys, default, os.environ)
+
+
+def int_from_env(env_keys: list[str], default: int, env: Mapping[str, str]) -> int:
+    """``get_int_from_env`` over an explicit mapping (hasten reads environments as pure functions)."""
     for key in env_keys:
         value = int(env.get(key, -1))
         if value >= 0:
@@ -77,3 +85,141 @@ def current_environment() -> Mapping[str, str]:
 def is_env_set(key: str) -> bool:
     """True when the variable ``key`` is present in this process's environment."""
     return key in os.environ
+
+
+@contextmanager
+def clear_environment() -> Iterator[None]:
+    """Run the block with an empty ``os.environ``, restoring the original afterwards."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def purge_accelerate_environment(func_or_cls: Any) -> Any:
+    """Decorator (function or test class): remove the ``ACCELERATE_*`` and ``HASTEN_*`` variables the
+    decorated code sets, so they do not leak into what runs next."""
+    import functools
+    import inspect
+
+    prefixes = ("ACCELERATE_", "HASTEN_")
+
+    def wrap(function: Any) -> Any:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            before = {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
+            try:
+                return function(*args, **kwargs)
+            finally:
+                for key in [k for k in os.environ if k.startswith(prefixes)]:
+                    if key not in before:
+                        del os.environ[key]
+                os.environ.update(before)
+
+        return wrapper
+
+    if inspect.isclass(func_or_cls):
+        for name, member in list(vars(func_or_cls).items()):
+            if callable(member) and (name.startswith("test") or name in ("setUp", "tearDown")):
+                setattr(func_or_cls, name, wrap(member))
+        return func_or_cls
+    return wrap(func_or_cls)
+
+
+def convert_dict_to_env_variables(current_env: dict[str, str]) -> list[str]:
+    """``["KEY=value\\n", ...]`` lines for a ``.env`` file; keys or values with spaces, ``;`` or ``=`` are
+    skipped (with a warning), since they could not be read back safely."""
+    import warnings
+
+    lines = []
+    for key, value in current_env.items():
+        if any(ch in f"{key}{value}" for ch in (" ", ";", "\n")) or "=" in key:
+            warnings.warn(f"skipping environment variable {key!r}: its name or value has spaces, `;` or `=`",
+                          stacklevel=2)
+            continue
+        lines.append(f"{key}={value}\n")
+    return lines
+
+
+def enable_fsdp_ram_efficient_loading() -> None:
+    """Load pretrained weights on rank 0 only and broadcast them when FSDP shards the model."""
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
+
+
+def disable_fsdp_ram_efficient_loading() -> None:
+    """Undo :func:`enable_fsdp_ram_efficient_loading`."""
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+
+
+def get_cpu_distributed_information() -> Any:
+    """Rank, world size, local rank and local world size from the MPI/torchrun variables of this process."""
+    from types import SimpleNamespace
+
+    read = lambda keys: int_from_env(keys, 0 if "RANK" in keys[0] else 1, os.environ)  # noqa: E731
+    return SimpleNamespace(
+        rank=int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0, os.environ),
+        world_size=read(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"]),
+        local_rank=int_from_env(["LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                 "MV2_COMM_WORLD_LOCAL_RANK"], 0, os.environ),
+        local_world_size=read(["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                               "MV2_COMM_WORLD_LOCAL_SIZE"]))
+
+
+def set_numa_affinity(local_process_index: int, verbose: bool | None = None) -> None:
+    """Pin this process to the CPUs of its GPU's NUMA node (Linux with CUDA GPUs; elsewhere nothing to do)."""
+    import torch
+
+    if not torch.cuda.is_available() or not hasattr(os, "sched_setaffinity"):
+        return
+    bus_id = torch.cuda.get_device_properties(local_process_index)
+    pci = getattr(bus_id, "pci_bus_id", None)
+    if pci is None:
+        return
+    node_file = f"/sys/bus/pci/devices/{str(pci).lower()}/numa_node"
+    try:
+        with open(node_file) as handle:
+            node = int(handle.read().strip())
+        with open(f"/sys/devices/system/node/node{max(node, 0)}/cpulist") as handle:
+            cpulist = handle.read().strip()
+    except (OSError, ValueError):
+        return
+    cpus: set[int] = set()
+    for part in cpulist.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    os.sched_setaffinity(0, cpus)
+    if verbose:
+        print(f"Assigning {len(cpus)} CPU cores of NUMA node {node} to process {local_process_index}")
+
+
+def get_current_device_type() -> tuple[str, str]:
+    """``(device type, torch.distributed backend)`` of this machine: ``("cuda", "nccl")`` or ``("cpu", "gloo")``."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", "nccl"
+    return "cpu", "gloo"
+
+
+def get_gpu_info() -> tuple[list[str], int]:
+    """The names and count of the CUDA GPUs visible here."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [torch.cuda.get_device_name(i) for i in range(count)], count
+
+
+def check_cuda_p2p_ib_support() -> bool:
+    """False when the GPUs are consumer RTX 3090/4000-series cards, whose P2P/InfiniBand paths NCCL must avoid."""
+    names, count = get_gpu_info()
+    return not (count > 1 and any(("RTX 40" in n or "RTX 3090" in n) for n in names))
+
+
+def check_cuda_fp8_capability() -> bool:
+    """Whether the current CUDA GPU computes in fp8 (compute capability 8.9 or newer)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)

@@ -209,6 +209,22 @@ class DeepSpeedPlugin:
         """The config value at a dotted key, e.g. ``"zero_optimization.stage"``."""
         return self.hf_ds_config.get_value(ds_key_long, default)
 
+    def set_deepspeed_weakref(self) -> None:
+        """Let 🤗 Transformers see this ZeRO-3 config (``from_pretrained`` then builds the model sharded).
+
+        Transformers reads it through a global weak reference to an ``HfDeepSpeedConfig`` of its own; the
+        plugin keeps that object alive. Without transformers installed there is nothing to do.
+        """
+        try:
+            from transformers.integrations import HfDeepSpeedConfig as TransformersDeepSpeedConfig
+        except ImportError:
+            return
+        config = {k: v for k, v in self.deepspeed_config.items()}
+        for key in ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps"):
+            if config.get(key) == "auto":
+                config[key] = 1  # transformers only needs the ZeRO block; "auto" batch keys would be refused
+        self._transformers_ds_config = TransformersDeepSpeedConfig(config)
+
     def is_auto(self, ds_key_long: str) -> bool:
         """True when the config value at ``ds_key_long`` is ``"auto"``."""
         return self.get_value(ds_key_long) == "auto"

@@ -115,6 +115,7 @@ class FullyShardedDataParallelPlugin:
     sync_module_states: Any = None
     forward_prefetch: Any = None
     activation_checkpointing: Any = None
+    activation_checkpointing_offload: Any = None
     cpu_ram_efficient_loading: Any = None
     transformer_cls_names_to_wrap: list[str] | None = None
     min_num_params: int | None = None
@@ -125,6 +126,11 @@ class FullyShardedDataParallelPlugin:
         self.fsdp_version = 2
         self.reshard_after_forward = self._reshard(self.reshard_after_forward)
         self.activation_checkpointing = _as_bool("activation_checkpointing", self.activation_checkpointing or False)
+        if _as_bool("activation_checkpointing_offload", self.activation_checkpointing_offload or False):
+            raise ConfigurationError("FullyShardedDataParallelPlugin(activation_checkpointing_offload=True) is not "
+                                     "supported by hasten's FSDP2 path; use activation_checkpointing=True (recompute "
+                                     "in backward) and cpu_offload=True to save more memory.")
+        self.activation_checkpointing_offload = False
         self.cpu_ram_efficient_loading = _as_bool("cpu_ram_efficient_loading", self.cpu_ram_efficient_loading or False)
         self.set_state_dict_type(self.state_dict_type)
         self._normalise_wrap_policy()
@@ -226,6 +232,22 @@ class FullyShardedDataParallelPlugin:
         """Set ``mixed_precision_policy`` from ``"no"``/``"fp16"``/``"bf16"`` unless one is set (or ``override``)."""
         if self.mixed_precision_policy is None or override:
             self.mixed_precision_policy = None if str(mixed_precision) in ("no", "fp32", "None") else str(mixed_precision)
+
+    def validate_mixed_precision_policy(self) -> None:
+        """Turn a dict ``mixed_precision_policy`` (dtype names allowed) into FSDP2's ``MixedPrecisionPolicy``."""
+        if not isinstance(self.mixed_precision_policy, dict):
+            return
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        fields = {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"}
+        unknown = set(self.mixed_precision_policy) - fields
+        if unknown:
+            raise ConfigurationError(f"mixed_precision_policy keys {sorted(unknown)} are not MixedPrecisionPolicy "
+                                     f"fields ({sorted(fields)}).")
+        dtypes = {k: (getattr(torch, v) if isinstance(v, str) and k != "cast_forward_inputs" else v)
+                  for k, v in self.mixed_precision_policy.items()}
+        self.mixed_precision_policy = MixedPrecisionPolicy(**dtypes)
 
     def set_auto_wrap_policy(self, model: Any) -> UnitPolicy | None:
         """The unit policy ``policy(module, unwrapped_numel) -> bool`` of ``auto_wrap_policy`` for ``model``."""

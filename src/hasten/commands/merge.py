@@ -1,0 +1,29 @@
+"""Accelerate's ``accelerate.commands.merge`` names for ``hasten merge-weights``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hasten.commands.merge_weights import merge_weights_command, register
+
+__all__ = ["merge_command", "merge_command_parser"]
+
+
+def merge_command(args: argparse.Namespace) -> int:
+    """Merge a sharded checkpoint (``hasten merge-weights``)."""
+    return merge_weights_command(args)
+
+
+def merge_command_parser(subparsers: Any = None) -> argparse.ArgumentParser:
+    """The ``merge-weights`` parser, added to ``subparsers`` or standalone."""
+    from hasten.commands.main import standalone_parser
+
+    return standalone_parser(register, subparsers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script `hasten-merge-weights`: this command alone."""
+    parser = merge_command_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,144 @@
+"""fp8 recipe settings (Accelerate's ``AORecipeKwargs``, ``TERecipeKwargs``, ``MSAMPRecipeKwargs``,
+``FP8RecipeKwargs``).
+
+hasten's fp8 engine is torchao's float8 training, which needs a GPU of compute capability 8.9 or
+newer; the Accelerator refuses ``mixed_precision="fp8"`` elsewhere, naming that requirement. The
+Transformer Engine and MS-AMP recipes are accepted as settings (configs load) but refused when used.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hasten.exceptions import ConfigurationError
+from hasten.utils.dataclasses import KwargsHandler
+
+_FORMATS = ("HYBRID", "E4M3", "E5M2")
+
+
+@dataclass
+class AORecipeKwargs(KwargsHandler):
+    """torchao float8 training settings.
+
+    Args:
+        config: a ``torchao.float8.Float8LinearConfig`` (default: torchao's default recipe).
+        module_filter_func: ``(module, fqn) -> bool``, which linear layers to convert.
+        pad_inner_dim: pad inner dimensions to multiples of 16 (instead of skipping such layers).
+        enable_fsdp_float8_all_gather: all-gather FSDP2 shards in fp8.
+    """
+
+    config: Any = None
+    module_filter_func: Callable[..., bool] | None = None
+    pad_inner_dim: bool | None = None
+    enable_fsdp_float8_all_gather: bool | None = None
+
+
+@dataclass
+class TERecipeKwargs(KwargsHandler):
+    """Transformer Engine fp8 recipe (accepted for config compatibility; hasten runs fp8 through torchao).
+
+    ``amax_history_length`` is accepted as another spelling of ``amax_history_len`` in config files.
+    """
+
+    use_autocast_during_eval: bool | None = None
+    margin: int | None = None
+    interval: int | None = None
+    fp8_format: str | None = None
+    amax_history_len: int | None = None
+    amax_compute_algo: str | None = None
+    override_linear_precision: tuple[bool, bool, bool] | None = None
+    use_mxfp8_block_scaling: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.fp8_format is not None:
+            self.fp8_format = str(self.fp8_format).upper()
+            if self.fp8_format not in _FORMATS:
+                raise ConfigurationError(f"fp8_format={self.fp8_format!r} is not one of {list(_FORMATS)}")
+        if self.amax_compute_algo is not None and self.amax_compute_algo not in ("max", "most_recent"):
+            raise ConfigurationError(f"amax_compute_algo={self.amax_compute_algo!r} is not 'max' or 'most_recent'")
+
+
+@dataclass
+class MSAMPRecipeKwargs(KwargsHandler):
+    """MS-AMP fp8 recipe (accepted for config compatibility; refused when training: use torchao)."""
+
+    opt_level: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.opt_level is not None and self.opt_level not in ("O1", "O2"):
+            raise ConfigurationError(f"opt_level={self.opt_level!r} is not 'O1' or 'O2'")
+
+
+@dataclass
+class FP8RecipeKwargs(TERecipeKwargs):
+    """Accelerate's older, combined fp8 recipe: ``backend="TE"`` or ``"MSAMP"`` plus that backend's fields."""
+
+    opt_level: str | None = None
+    backend: str | None = None
+
+    def __init__(self, opt_level: str | None = None, use_autocast_during_eval: bool | None = None,
+                 margin: int | None = None, interval: int | None = None, fp8_format: str | None = None,
+                 amax_history_len: int | None = None, amax_compute_algo: str | None = None,
+                 override_linear_precision: tuple[bool, bool, bool] | None = None,
+                 use_mxfp8_block_scaling: bool | None = None, backend: str | None = None) -> None:
+        self.opt_level = opt_level
+        self.use_autocast_during_eval = use_autocast_during_eval
+        self.margin = margin
+        self.interval = interval
+        self.fp8_format = fp8_format
+        self.amax_history_len = amax_history_len
+        self.amax_compute_algo = amax_compute_algo
+        self.override_linear_precision = override_linear_precision
+        self.use_mxfp8_block_scaling = use_mxfp8_block_scaling
+        self.backend = backend.upper() if isinstance(backend, str) else backend
+        if self.backend not in (None, "TE", "MSAMP"):
+            raise ConfigurationError(f"FP8RecipeKwargs(backend={backend!r}): use 'TE' or 'MSAMP' (or AORecipeKwargs "
+                                     "for torchao)")
+        self.__post_init__()
+
+
+class FP8BackendType(str, enum.Enum):
+    """The fp8 engines Accelerate names (hasten runs ``AO``, torchao)."""
+
+    NO = "NO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+    AO = "AO"
+
+
+def filter_first_and_last_linear_layers(module: Any, fqn: str) -> bool:
+    """torchao's ``module_filter_func``: convert a linear layer to float8 only when both its dimensions are
+    multiples of 16 (float8 matmuls need that). :func:`convert_model_to_fp8_ao` also keeps the model's
+    first and last linear layers in high precision, for stability."""
+    import torch
+
+    if not isinstance(module, torch.nn.Linear):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_model_to_fp8_ao(model: Any, config: Any = None, module_filter_func: Callable[..., bool] | None = None) -> None:
+    """Swap ``model``'s linear layers for torchao's float8 training layers, in place.
+
+    Raises:
+        MissingDependencyError: torchao is not installed.
+    """
+    from hasten.exceptions import MissingDependencyError
+    from hasten.utils.imports import is_torchao_available
+
+    if not is_torchao_available():
+        raise MissingDependencyError("torchao", "fp8 training (`convert_model_to_fp8_ao`)")
+    import torch
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    edges = {linears[0], linears[-1]} if linears else set()
+
+    def default_filter(module: Any, fqn: str) -> bool:
+        return fqn not in edges and filter_first_and_last_linear_layers(module, fqn)
+
+    convert_to_float8_training(model, config=config or Float8LinearConfig(),
+                               module_filter_fn=module_filter_func or default_filter)

@@ -1,0 +1,139 @@
+"""Every public name of Accelerate (from the committed table) exists in hasten with the same parameter names.
+
+The table, tests/data/accelerate_inventory.json, is written by tools/accelerate_inventory.py from an
+installed Accelerate. Rows marked ``refused`` are names that hasten keeps (same path, same parameters)
+but that raise a ConfigurationError when used, because they belong to hardware or products hasten does
+not support; tests/test_dropin_refusals.py checks that they do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TABLE = Path(__file__).parent / "data" / "accelerate_inventory.json"
+ROWS: list[dict[str, Any]] = json.loads(TABLE.read_text())["names"]
+
+
+def hasten_path(module: str) -> str:
+    """Accelerate's module path -> hasten's."""
+    return "hasten" + module[len("accelerate"):]
+
+
+def _params(obj: Any, kind: str) -> list[str] | None:
+    if kind in ("method", "classmethod"):
+        names = list(inspect.signature(obj).parameters)
+        return names[1:] if names and names[0] in ("self", "cls") else names
+    if inspect.isclass(obj):
+        init = obj.__init__
+        if init is object.__init__:
+            return []
+        names = list(inspect.signature(init).parameters)
+        return names[1:] if names[:1] == ["self"] else names
+    try:
+        return list(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _kind_of(owner: type, attr: str) -> str:
+    for klass in inspect.getmro(owner):
+        if attr in vars(klass):
+            raw = vars(klass)[attr]
+            if isinstance(raw, staticmethod):
+                return "staticmethod"
+            if isinstance(raw, classmethod):
+                return "classmethod"
+            if isinstance(raw, property):
+                return "property"
+            return "method"
+    return "attribute"
+
+
+def check(row: dict[str, Any]) -> str | None:
+    """None when hasten has the name as Accelerate does, else what differs."""
+    path = hasten_path(row["module"])
+    try:
+        module = importlib.import_module(path)
+    except ImportError as error:
+        return f"no module {path} ({error})"
+    head, _, member = row["name"].partition(".")
+    if not hasattr(module, head):
+        return f"{path}.{head} is missing"
+    obj = getattr(module, head)
+    kind = row["kind"]
+    if member:
+        if not inspect.isclass(obj):
+            return f"{path}.{head} is not a class"
+        actual_kind = _kind_of(obj, member)
+        if actual_kind == "attribute" and not hasattr(obj, member):
+            return f"{path}.{row['name']} is missing"
+        if kind == "property":
+            return None if actual_kind in ("property", "attribute") else f"{row['name']} is a {actual_kind}"
+        if actual_kind != kind:
+            return f"{path}.{row['name']} is a {actual_kind}, Accelerate's is a {kind}"
+        obj = getattr(obj, member)
+    elif kind == "constant" or row["params"] is None:
+        return None
+    if row["params"] is None:
+        return None
+    actual = _params(obj, kind)
+    expected = row["params"]
+    if actual is None or actual == expected or expected in (["kwargs"], ["args", "kwargs"]):
+        return None  # Accelerate's own signature is a catch-all there (a decorator without functools.wraps)
+    if row.get("refused") and actual in (["args", "kwargs"], []):
+        return None
+    if actual[:len(expected)] == expected and _extras_are_optional(obj, kind, actual[len(expected):]):
+        return None  # hasten additions after Accelerate's parameters, all with defaults: callers are unaffected
+    return f"{path}.{row['name']} takes {actual}, Accelerate's takes {expected}"
+
+
+def _extras_are_optional(obj: Any, kind: str, extra: list[str]) -> bool:
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    parameters = inspect.signature(target).parameters
+    return all(parameters[name].default is not inspect.Parameter.empty
+               or parameters[name].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+               for name in extra)
+
+
+def _row_id(row: dict[str, Any]) -> str:
+    return f"{row['module']}:{row['name']}"
+
+
+@pytest.mark.parametrize("row", ROWS, ids=_row_id)
+def test_name_matches_accelerate(row):
+    problem = check(row)
+    assert problem is None, problem
+
+
+def test_every_name_the_examples_use_resolves():
+    used = [r for r in ROWS if r.get("examples")]
+    assert len(used) > 40  # the table was generated with --examples
+    problems = [p for r in used if (p := check(r))]
+    assert not problems, problems
+
+
+def refused_names() -> list[str]:
+    """The refused names as the docs list them: a refused class stands for its methods."""
+    classes = {r["name"] for r in ROWS if r.get("refused") and "." not in r["name"]}
+    names = {r["name"].split(".")[0] if r["name"].split(".")[0] in classes else r["name"]
+             for r in ROWS if r.get("refused")}
+    return sorted(names)
+
+
+def test_refusals_are_listed_in_the_migrating_page():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "migrating.md").read_text()
+    missing = [name for name in refused_names() if f"`{name}`" not in page]
+    assert not missing, f"refused names missing from docs/migrating.md's table: {missing}"
+
+
+if __name__ == "__main__":  # a summary: how many of Accelerate's names resolve
+    bad = [(r, p) for r in ROWS if (p := check(r))]
+    for row, problem in bad:
+        print(f"{_row_id(row)}: {problem}")
+    print(f"{len(ROWS) - len(bad)} of {len(ROWS)} names match")
