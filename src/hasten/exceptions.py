@@ -30,9 +30,9 @@ class LaunchError(HastenError, RuntimeError):
     """Processes could not be started, or a worker failed."""
 
 
-class CheckpointError(HastenError, RuntimeError):
-    """A checkpoint is missing, incomplete, corrupted or does not match what is being restored."""
-
-
 #: Accelerate's name for the error its debug mode raises (``accelerate.utils.operations``); the same class.
 DistributedOperationException = DistributedOperationError
+
+
+class CheckpointError(HastenError, RuntimeError):
+    """A checkpoint is missing, incomplete, corrupted or does not match what is being restored."""

@@ -1,20 +1,13 @@
-"""Accelerate's ``accelerate.utils.other`` path: ``wait_for_everyone`` lives in :mod:`hasten.state`.
+"""Accelerate's ``accelerate.utils.other`` path: ``ThreadLocalSharedDict`` here, and ``wait_for_everyone``,
+which lives in :mod:`hasten.state`.
 
-Part of the ``hasten.utils`` facade: the name resolves lazily, on first access.
+Part of the ``hasten.utils`` facade: ``wait_for_everyone`` resolves lazily, on first access.
 """
 
 from __future__ import annotations
 
 import threading
 from typing import Any
-
-
-def __getattr__(name: str) -> Any:
-    if name == "wait_for_everyone":
-        from hasten.state import wait_for_everyone
-
-        return wait_for_everyone
-    raise AttributeError(f"module 'hasten.utils.other' has no attribute {name!r}")
 
 
 class ThreadLocalSharedDict(threading.local):
@@ -28,3 +21,11 @@ class ThreadLocalSharedDict(threading.local):
 
     def __set__(self, obj: Any, value: dict[str, Any]) -> None:
         self._storage = value
+
+
+def __getattr__(name: str) -> Any:
+    if name == "wait_for_everyone":
+        from hasten.state import wait_for_everyone
+
+        return wait_for_everyone
+    raise AttributeError(f"module 'hasten.utils.other' has no attribute {name!r}")
