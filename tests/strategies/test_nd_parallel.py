@@ -310,3 +310,23 @@ def test_tp_size_not_dividing_a_layer_is_one_clear_error_on_every_rank():
         accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert not hasattr(model[0].weight, "device_mesh")  # nothing was split
     accelerator.wait_for_everyone()  # every rank raised and is still in step
+
+
+@pytest.mark.world_size(2, timeout=300)
+def test_a_transformers_model_runs_tensor_parallel_on_its_own_plan():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config)
+    reset_state()
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=2))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model.model.layers[0].self_attn.q_proj.weight.to_local().shape == (8, 16)  # half the heads per rank
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens).logits
+        expected = plain(tokens).logits
+    assert (logits - expected).abs().max().item() < ATOL

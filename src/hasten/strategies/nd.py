@@ -25,9 +25,15 @@ from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
 from hasten.exceptions import ConfigurationError
 from hasten.strategies.fsdp2 import FSDP2Strategy
 
-# transformers' style names beyond the four plain ones, mapped to PyTorch's styles.
-_TRANSFORMERS_STYLES = {"colwise_rep": "colwise_rep", "rowwise_rep": "rowwise_rep", "local": "replicate",
-                        "gather": "replicate", "replicate": "replicate"}
+# transformers' style names beyond the four plain ones, mapped to the styles below (``to_parallel_styles``).
+_TRANSFORMERS_STYLES = {"colwise_rep": "colwise_rep", "colwise_gather_output": "colwise_rep",
+                        "rowwise_rep": "rowwise_rep", "rowwise_split_input": "rowwise_rep",
+                        "embedding_rowwise": "embedding_rowwise", "embedding_colwise": "colwise_rep",
+                        "local": "replicate", "local_params": "replicate", "gather": "replicate",
+                        "replicate": "replicate", "replicated_with_grad_allreduce": "replicate",
+                        "all_reduce": "replicate"}
+_KNOWN_STYLES = {"colwise", "rowwise", "sequence_parallel", "replicate", "colwise_rep", "rowwise_rep",
+                 "embedding_rowwise"}
 
 
 class NDParallelStrategy(FSDP2Strategy):
@@ -112,8 +118,15 @@ def resolve_tp_plan(model: nn.Module, config: ParallelismConfig) -> dict[str, An
         if not matched:
             raise ConfigurationError(f"tp_plan pattern {pattern!r} matches no module of {type(model).__name__} "
                                      f"(its modules include {names[:8]}); nn.Sequential children are named by index.")
+        if isinstance(style, str):
+            style = _TRANSFORMERS_STYLES.get(style, style)
+            if style not in _KNOWN_STYLES:
+                raise ConfigurationError(
+                    f"The tensor-parallel plan maps {pattern!r} to {plan[pattern]!r}, a transformers style hasten does "
+                    f"not run (packed, MoE and expert-parallel layers); supported: {sorted(_KNOWN_STYLES)} and "
+                    f"{sorted(_TRANSFORMERS_STYLES)}. Give a plan of your own (TorchTensorParallelConfig(tp_plan=...)).")
         for name in matched:
-            expanded[name] = _TRANSFORMERS_STYLES.get(style, style) if isinstance(style, str) else style
+            expanded[name] = style
     return expanded
 
 
@@ -150,9 +163,11 @@ def check_tp_plan(model: nn.Module, plan: dict[str, Any], tp_size: int) -> None:
 
 def _split_width(module: nn.Module, style: str) -> tuple[str, int] | None:
     colwise = style.startswith("colwise")
-    if isinstance(module, nn.Linear) and style.startswith(("colwise", "rowwise")):
+    if not style.startswith(("colwise", "rowwise", "embedding_rowwise")):
+        return None
+    if isinstance(module, nn.Linear):
         return ("out_features", module.out_features) if colwise else ("in_features", module.in_features)
-    if isinstance(module, nn.Embedding) and style.startswith(("colwise", "rowwise")):
+    if isinstance(module, nn.Embedding):
         return ("embedding_dim", module.embedding_dim) if colwise else ("num_embeddings", module.num_embeddings)
     return None
 
@@ -164,7 +179,9 @@ def to_parallel_styles(plan: dict[str, Any]) -> dict[str, Any]:
 
     styles: dict[str, Any] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
               "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-              "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate())}
+              "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+              # token ids arrive whole on every rank; each rank looks up its rows of the table, then a sum
+              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
     out = {}
     for name, style in plan.items():
         if style == "replicate":
