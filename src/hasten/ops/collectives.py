@@ -2,17 +2,24 @@
 
 Every function is the identity (or a copy) when no process group is running, so the same code works
 with one process. All processes must call them; in debug mode a mismatch raises instead of hanging.
+
+``gather``, ``reduce`` and ``broadcast`` never hand back data built from inputs whose shapes or dtypes
+differ across ranks (the engines copy raw bytes and would return garbage): before the data moves, the
+ranks all-gather one 64-bit fingerprint of the operation and of their inputs' layout; a difference
+raises :class:`DistributedOperationError` on every rank, naming each rank's shapes and dtypes.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hasten.ops.debug import debug_checks_enabled, verify_operation
+from hasten.exceptions import DistributedOperationError
+from hasten.ops.debug import debug_checks_enabled, describe, format_description, verify_operation
 from hasten.ops.tree import is_torch_tensor, recursively_apply
 
 
@@ -39,6 +46,58 @@ def _check_tensors(data: Any, op: str) -> None:
             "and dicts. HINT: use `gather_object` / `broadcast_object_list` for other Python objects.")
 
 
+def _first_tensor(data: Any) -> torch.Tensor | None:
+    if isinstance(data, torch.Tensor):
+        return data
+    items = data.values() if isinstance(data, Mapping) else data if isinstance(data, (list, tuple)) else ()
+    for item in items:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _fingerprint_device(data: Any) -> torch.device:
+    first = _first_tensor(data)
+    if first is not None:
+        return first.device
+    if "gloo" not in str(dist.get_backend()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_same_layout(op: str, data: Any, hint: str = "") -> None:
+    """Raise on every rank unless all ranks call ``op`` with the same structure, shapes and dtypes.
+
+    Costs one all-gather of one int64 per rank (the fingerprint of ``describe(data)`` and ``op``); the
+    descriptions themselves travel only when the fingerprints differ. Debug mode compares the same
+    things before every collective, so the check is skipped there.
+
+    Raises:
+        DistributedOperationError: the ranks' inputs differ (every rank raises, with each rank's view).
+    """
+    if debug_checks_enabled():
+        return
+    desc = describe(data)
+    digest = hashlib.blake2b(repr((op, desc)).encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
+                        device=_fingerprint_device(data))
+    prints = [torch.empty_like(mine) for _ in range(_world())]
+    dist.all_gather(prints, mine)
+    if len({int(p.item()) for p in prints}) == 1:
+        return
+    views: list[Any] = [None] * _world()
+    dist.all_gather_object(views, (op, desc))
+    lines = "\n".join(f"  rank {r}: `{v[0]}` with {format_description(v[1])}" for r, v in enumerate(views))
+    raise DistributedOperationError(
+        f"`{op}` needs the same structure, shapes and dtypes on every process, but they differ (seen from rank "
+        f"{dist.get_rank()}):\n{lines}\nNo data was exchanged." + (f" HINT: {hint}" if hint else ""))
+
+
+_GATHER_HINT = ("use `accelerator.pad_across_processes` before `gather` for tensors whose length differs, "
+                "or `gather_object` for Python objects.")
+
+
 def gather(tensor: Any) -> Any:
     """All-gather tensors from every process and concatenate them on the first dimension.
 
@@ -50,12 +109,14 @@ def gather(tensor: Any) -> Any:
 
     Raises:
         TypeError: a leaf is not a tensor.
+        DistributedOperationError: shapes or dtypes differ across ranks (raised on every rank).
     """
     _check_tensors(tensor, "gather")
     if not is_distributed():
         return tensor
     if debug_checks_enabled():
         verify_operation("gather", tensor)
+    check_same_layout("gather", tensor, _GATHER_HINT)
     world = _world()
 
     def _gather_one(t: torch.Tensor) -> torch.Tensor:
@@ -100,8 +161,13 @@ def gather_object(obj: Any) -> Any:
 def broadcast(tensor: Any, from_process: int = 0) -> Any:
     """Copy tensors from ``from_process`` to every process, in place; returns the data.
 
+    Every process passes tensors of the source's shapes and dtypes (the receivers' are overwritten).
+
     Example:
         >>> broadcast(torch.tensor([rank]))  # -> tensor([0]) everywhere
+
+    Raises:
+        DistributedOperationError: shapes or dtypes differ across ranks (raised on every rank).
     """
     _check_tensors(tensor, "broadcast")
     if not is_distributed():
@@ -109,6 +175,9 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     _check_rank(from_process, "broadcast")
     if debug_checks_enabled():
         verify_operation("broadcast", tensor)
+    check_same_layout(f"broadcast(from_process={from_process})", tensor,
+                      "allocate the receiving tensors with the source's shape and dtype, or use "
+                      "`broadcast_object_list` for data whose shape only the source knows.")
 
     def _bcast(t: torch.Tensor) -> torch.Tensor:
         dist.broadcast(t, src=from_process)
@@ -144,6 +213,7 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
 
     Raises:
         ValueError: an unknown ``reduction``.
+        DistributedOperationError: shapes or dtypes differ across ranks (raised on every rank).
     """
     if reduction not in _REDUCE_OPS:
         raise ValueError(f"reduce(reduction={reduction!r}) is not supported: use one of {_REDUCE_OPS}")
@@ -151,6 +221,8 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     distributed = is_distributed() and reduction != "none"
     if distributed and debug_checks_enabled():
         verify_operation(f"reduce({reduction})", tensor)
+    if distributed:
+        check_same_layout(f"reduce({reduction})", tensor, "reduce tensors of one shape and dtype on every process.")
     world = _world()
 
     def _reduce_one(t: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,11 @@ def describe(data: Any) -> Any:
     return type(data).__name__
 
 
+def format_description(desc: Any) -> str:
+    """Readable text for a :func:`describe` result, e.g. ``shape (2, 3) float32``."""
+    return _format(desc)
+
+
 def _format(desc: Any) -> str:
     if isinstance(desc, tuple) and len(desc) == 3 and desc[0] == "tensor":
         return f"shape {desc[1]} {desc[2]}"
