@@ -62,6 +62,8 @@ class LaunchPlan:
     rdzv_backend: str = "static"
     rdzv_conf: str = ""
     notes: list[str] = field(default_factory=list)
+    #: the local address the launcher and workers listen on (decided at launch: loopback on one machine)
+    bind_addr: str = ""
 
     @property
     def num_processes(self) -> int:
