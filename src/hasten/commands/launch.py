@@ -167,6 +167,12 @@ def launch_command(args: argparse.Namespace) -> int:
     try:
         if args.max_restarts < 0:
             raise ConfigurationError(f"--max_restarts={args.max_restarts} must be 0 or more.")
+        requested = getattr(args, "cfg__num_processes", None)
+        if requested is not None and requested < 1:
+            # -1 means "not set" only in configuration files (Accelerate writes it); typed, it is a mistake.
+            raise ConfigurationError(f"--num_processes={requested} must be at least 1 (the total number of "
+                                     "processes over all machines). HINT: leave it out for one process per GPU, or "
+                                     "one on CPU.")
         options = options_from_args(args)
         plan = build_plan(resolve_config(args, os.environ), options, os.environ)
     except (ConfigurationError, LaunchError) as exc:
