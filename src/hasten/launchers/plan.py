@@ -16,11 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hasten.config.env import launch_config_to_env
+from hasten.config.env import COLLECTIVE_TIMEOUT_VAR, launch_config_to_env
 from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError
 
 DEFAULT_PORT = 29500
+#: A worker's exit status when hasten's hang watchdog stopped it (``hasten.ops.watchdog.HANG_EXIT_CODE``;
+#: repeated here so that planning a launch does not import torch).
+HANG_EXIT_CODE = 124
 # Engines whose hasten support is detected by the presence of their module (no import needed).
 _ENGINE_MODULES = {"FSDP": ("hasten.strategies.fsdp2", "FSDP2"),
                    "DEEPSPEED": ("hasten.config.plugins.deepspeed", "DeepSpeed")}
@@ -44,6 +47,7 @@ class LaunchOptions:
     log_dir: str | None = None
     use_mpi: bool = False
     quiet: bool = False
+    collective_timeout: float | None = None
 
 
 @dataclass
@@ -275,6 +279,8 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     port = choose_port(config, notes) if launcher in ("torchrun", "mpirun") else (config.main_process_port or 0)
     config = dataclasses.replace(config, main_process_ip=addr, main_process_port=port or None)
     variables = worker_env(config, default_threads(config, nproc, options.num_cpu_threads_per_process, env))
+    if options.collective_timeout is not None:
+        variables[COLLECTIVE_TIMEOUT_VAR] = f"{options.collective_timeout:g}"
     backend = config.rdzv_backend
     if launcher == "torchrun" and options.max_restarts > 0 and backend == "static":
         # torch's static rendezvous reuses the store keys of the previous round, so restarted workers can

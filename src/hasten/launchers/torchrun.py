@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hasten.exceptions import LaunchError
-from hasten.launchers.plan import WORKER_MODULE, LaunchOptions, LaunchPlan
+from hasten.launchers.plan import HANG_EXIT_CODE, WORKER_MODULE, LaunchOptions, LaunchPlan
 from hasten.utils.environment import patch_environment
 
 
@@ -57,6 +57,7 @@ def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
     """Run the plan under the elastic agent; return the exit code (the failed worker's, if any)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
@@ -89,7 +90,7 @@ def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
             print(f"hasten launch: stopped by signal {exc.sigval.name}; all workers were terminated.",
                   file=sys.stderr)
             return 128 + int(exc.sigval)
-        except RendezvousError as exc:
+        except (RendezvousError, DistStoreError, DistNetworkError) as exc:  # static rendezvous: its store timed out
             print(f"hasten launch: the machines could not meet at {plan.master_addr}:{plan.master_port} "
                   f"({type(exc).__name__}: {exc}). HINT: check --main_process_ip/--main_process_port, that every "
                   "machine uses the same values and --num_machines, and that the port is reachable.",
@@ -108,6 +109,8 @@ def _report_failure(exc: Exception, quiet: bool) -> int:
     for rank in sorted(failures):
         code = failures[rank].exitcode
         described.append(f"rank {rank} " + (f"exited with code {code}" if code >= 0 else f"killed by signal {-code}"))
+    if any(failure.exitcode == HANG_EXIT_CODE for failure in failures.values()):
+        described.append(f"code {HANG_EXIT_CODE}: stopped by hasten's hang watchdog, whose report is above")
     print(f"hasten launch: {len(failures)} worker(s) failed ({'; '.join(described)}); the other workers were "
           "stopped. The tracebacks are printed above (the root cause is usually the one that is not "
           "'Connection closed by peer').", file=sys.stderr)

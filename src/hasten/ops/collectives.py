@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hasten.exceptions import DistributedOperationError
 from hasten.ops.debug import debug_checks_enabled, describe, format_description, verify_operation
 from hasten.ops.tree import is_torch_tensor, recursively_apply
+from hasten.ops.watchdog import tracked
 
 
 def is_distributed() -> bool:
@@ -114,24 +115,25 @@ def gather(tensor: Any) -> Any:
     _check_tensors(tensor, "gather")
     if not is_distributed():
         return tensor
-    if debug_checks_enabled():
-        verify_operation("gather", tensor)
-    check_same_layout("gather", tensor, _GATHER_HINT)
+    with tracked("gather", tensor):
+        if debug_checks_enabled():
+            verify_operation("gather", tensor)
+        check_same_layout("gather", tensor, _GATHER_HINT)
+        return recursively_apply(_gather_one, tensor)
+
+
+def _gather_one(t: torch.Tensor) -> torch.Tensor:
     world = _world()
-
-    def _gather_one(t: torch.Tensor) -> torch.Tensor:
-        if t.ndim == 0:
-            t = t.clone()[None]
-        t = t.contiguous()
-        if dist.get_backend() == "nccl":
-            out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.all_gather_into_tensor(out, t)
-            return out
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t)
-        return torch.cat(parts, dim=0)
-
-    return recursively_apply(_gather_one, tensor)
+    if t.ndim == 0:
+        t = t.clone()[None]
+    t = t.contiguous()
+    if dist.get_backend() == "nccl":
+        out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t)
+        return out
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t)
+    return torch.cat(parts, dim=0)
 
 
 def gather_object(obj: Any) -> Any:
@@ -145,10 +147,11 @@ def gather_object(obj: Any) -> Any:
     """
     if not is_distributed():
         return obj
-    if debug_checks_enabled():
-        verify_operation("gather_object", None, same_shapes=False)
     parts: list[Any] = [None] * _world()
-    dist.all_gather_object(parts, obj)
+    with tracked("gather_object"):
+        if debug_checks_enabled():
+            verify_operation("gather_object", None, same_shapes=False)
+        dist.all_gather_object(parts, obj)
     out: list[Any] = []
     for part in parts:
         if isinstance(part, (list, tuple)):
@@ -173,17 +176,17 @@ def broadcast(tensor: Any, from_process: int = 0) -> Any:
     if not is_distributed():
         return tensor
     _check_rank(from_process, "broadcast")
-    if debug_checks_enabled():
-        verify_operation("broadcast", tensor)
-    check_same_layout(f"broadcast(from_process={from_process})", tensor,
-                      "allocate the receiving tensors with the source's shape and dtype, or use "
-                      "`broadcast_object_list` for data whose shape only the source knows.")
-
     def _bcast(t: torch.Tensor) -> torch.Tensor:
         dist.broadcast(t, src=from_process)
         return t
 
-    return recursively_apply(_bcast, tensor)
+    with tracked("broadcast", tensor):
+        if debug_checks_enabled():
+            verify_operation("broadcast", tensor)
+        check_same_layout(f"broadcast(from_process={from_process})", tensor,
+                          "allocate the receiving tensors with the source's shape and dtype, or use "
+                          "`broadcast_object_list` for data whose shape only the source knows.")
+        return recursively_apply(_bcast, tensor)
 
 
 def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list[Any]:
@@ -193,9 +196,10 @@ def broadcast_object_list(object_list: list[Any], from_process: int = 0) -> list
     if not is_distributed():
         return object_list
     _check_rank(from_process, "broadcast_object_list")
-    if debug_checks_enabled():
-        verify_operation("broadcast_object_list", [len(object_list)], same_shapes=False)
-    dist.broadcast_object_list(object_list, src=from_process)
+    with tracked("broadcast_object_list"):
+        if debug_checks_enabled():
+            verify_operation("broadcast_object_list", [len(object_list)], same_shapes=False)
+        dist.broadcast_object_list(object_list, src=from_process)
     return object_list
 
 
@@ -219,10 +223,6 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
         raise ValueError(f"reduce(reduction={reduction!r}) is not supported: use one of {_REDUCE_OPS}")
     _check_tensors(tensor, "reduce")
     distributed = is_distributed() and reduction != "none"
-    if distributed and debug_checks_enabled():
-        verify_operation(f"reduce({reduction})", tensor)
-    if distributed:
-        check_same_layout(f"reduce({reduction})", tensor, "reduce tensors of one shape and dtype on every process.")
     world = _world()
 
     def _reduce_one(t: torch.Tensor) -> torch.Tensor:
@@ -236,7 +236,13 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
             out = out * scale
         return out
 
-    return recursively_apply(_reduce_one, tensor)
+    if not distributed:
+        return recursively_apply(_reduce_one, tensor)
+    with tracked(f"reduce({reduction})", tensor):
+        if debug_checks_enabled():
+            verify_operation(f"reduce({reduction})", tensor)
+        check_same_layout(f"reduce({reduction})", tensor, "reduce tensors of one shape and dtype on every process.")
+        return recursively_apply(_reduce_one, tensor)
 
 
 def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
@@ -262,26 +268,28 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
     recursively_apply(_check_dim, tensor)
     if not is_distributed():
         return tensor
-    if debug_checks_enabled():
-        verify_operation("pad_across_processes", tensor, same_ndim_only=True)
+    with tracked("pad_across_processes", tensor):
+        if debug_checks_enabled():
+            verify_operation("pad_across_processes", tensor, same_ndim_only=True)
+        return recursively_apply(_pad_one, tensor, dim, pad_index, pad_first)
 
-    def _pad_one(t: torch.Tensor) -> torch.Tensor:
-        d = dim % t.ndim
-        size = torch.tensor([t.shape[d]], device=t.device, dtype=torch.int64)
-        sizes = [torch.empty_like(size) for _ in range(_world())]
-        dist.all_gather(sizes, size)
-        max_size = int(max(s.item() for s in sizes))
-        if max_size == t.shape[d]:
-            return t
-        new_shape = list(t.shape)
-        new_shape[d] = max_size
-        out = t.new_full(new_shape, pad_index)
-        index = [slice(None)] * t.ndim
-        index[d] = slice(max_size - t.shape[d], max_size) if pad_first else slice(0, t.shape[d])
-        out[tuple(index)] = t
-        return out
 
-    return recursively_apply(_pad_one, tensor)
+def _pad_one(t: torch.Tensor, dim: int, pad_index: int, pad_first: bool) -> torch.Tensor:
+    """Pad one tensor along ``dim`` to the largest size of any rank (one all-gather of the size)."""
+    d = dim % t.ndim
+    size = torch.tensor([t.shape[d]], device=t.device, dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(_world())]
+    dist.all_gather(sizes, size)
+    max_size = int(max(s.item() for s in sizes))
+    if max_size == t.shape[d]:
+        return t
+    new_shape = list(t.shape)
+    new_shape[d] = max_size
+    out = t.new_full(new_shape, pad_index)
+    index = [slice(None)] * t.ndim
+    index[d] = slice(max_size - t.shape[d], max_size) if pad_first else slice(0, t.shape[d])
+    out[tuple(index)] = t
+    return out
 
 
 def pad_input_tensors(tensor: Any, batch_size: int, num_processes: int, dim: int = 0) -> Any:
@@ -302,9 +310,10 @@ def barrier() -> None:
     """Wait until every process reaches this point (no-op with one process)."""
     if not is_distributed():
         return
-    if debug_checks_enabled():
-        verify_operation("wait_for_everyone", None, same_shapes=False)
-    dist.barrier()
+    with tracked("wait_for_everyone"):
+        if debug_checks_enabled():
+            verify_operation("wait_for_everyone", None, same_shapes=False)
+        dist.barrier()
 
 
 def _check_rank(rank: int, op: str) -> None:
