@@ -10,64 +10,15 @@ user set it) so that gloo also listens on that interface only.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+from hasten.environments.network import LOOPBACK, bind_address, interface_of, local_addresses
 from hasten.exceptions import LaunchError
 
-LOOPBACK = "127.0.0.1"
-
-
-def _is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _local_addresses() -> dict[str, str]:
-    """IPv4 address -> interface name, for every interface of this machine (network namespace)."""
-    import psutil
-
-    return {a.address: name for name, addrs in psutil.net_if_addrs().items() for a in addrs
-            if a.family == socket.AF_INET}
-
-
-def bind_address(main_ip: str, num_machines: int) -> str:
-    """The local IPv4 address this machine's launcher and workers listen on.
-
-    One machine: ``127.0.0.1``. Several: ``main_ip`` itself on the machine that owns it, else the local
-    address the kernel routes ``main_ip`` through (found with an unconnected UDP socket: no packet is sent).
-
-    Raises:
-        LaunchError: ``main_ip`` cannot be resolved or reached from any local interface.
-    """
-    if num_machines == 1 and _is_loopback(main_ip):
-        return LOOPBACK
-    try:
-        target = socket.gethostbyname(main_ip)
-    except OSError as exc:
-        raise LaunchError(f"--main_process_ip {main_ip!r} cannot be resolved ({exc}). HINT: pass the IP address of "
-                          "the main machine.") from exc
-    if _is_loopback(target) or target in _local_addresses():
-        return target
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((target, 9))
-        except OSError as exc:
-            raise LaunchError(f"--main_process_ip {main_ip} is not reachable from this machine ({exc}). HINT: check "
-                              "the address and this machine's network routes.") from exc
-        return str(probe.getsockname()[0])
-
-
-def interface_of(address: str) -> str | None:
-    """The name of the local interface that holds ``address`` (``lo`` for 127.0.0.1), or None."""
-    return _local_addresses().get(address)
+__all__ = ["LOOPBACK", "bind_address", "bind_worker_store", "interface_of", "store_server"]
 
 
 @contextlib.contextmanager
@@ -108,7 +59,7 @@ def bind_worker_store(env: dict[str, str] | Any) -> Any:
     from torch.distributed import TCPStore
 
     address = env.get("MASTER_ADDR", LOOPBACK)
-    if address not in _local_addresses():
+    if address not in local_addresses():
         return None  # a hostname or an address of another machine: leave the store to torch
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
