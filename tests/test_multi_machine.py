@@ -9,56 +9,18 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+import hasten.testing
 from hasten.testing.netns import netns_unavailable, simulated_machines
 
 pytestmark = [pytest.mark.launch]
 _WHY_NOT = netns_unavailable()
 needs_netns = pytest.mark.skipif(_WHY_NOT is not None, reason=f"simulated machines unavailable: {_WHY_NOT}")
 
-TRAIN = """
-import json, os, sys, time
-import psutil
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from hasten import Accelerator
-from hasten.utils import set_seed
-
-out, global_batch, crash_rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-accelerator = Accelerator(cpu=True)
-set_seed(0)
-g = torch.Generator().manual_seed(7)
-x = torch.randn(48, 4, generator=g)
-y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(48, 1, generator=g)
-model = nn.Linear(4, 1)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-loader = DataLoader(TensorDataset(x, y), batch_size=global_batch // accelerator.num_processes, shuffle=True)
-model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-listening = []
-if accelerator.local_process_index == 0 and os.environ.get("LOCAL_WORLD_SIZE"):
-    accelerator.wait_for_everyone()  # every listener of the process group exists now
-    tree = psutil.Process(os.getppid())
-    pids = {tree.pid, *(p.pid for p in tree.children(recursive=True))}
-    listening = sorted({c.laddr.ip for c in psutil.net_connections("inet") if c.pid in pids and c.status == "LISTEN"})
-elif os.environ.get("LOCAL_WORLD_SIZE"):
-    accelerator.wait_for_everyone()
-for epoch in range(2):
-    for step, (xb, yb) in enumerate(loader):
-        if accelerator.process_index == crash_rank and epoch == 1:
-            print(f"crash-at {time.time():.3f}", flush=True)
-            raise RuntimeError(f"rank {crash_rank} fails on purpose")
-        loss = nn.functional.mse_loss(model(xb), yb)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-weights = [round(v, 6) for v in accelerator.unwrap_model(model).weight.flatten().tolist()]
-with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
-    json.dump({"weights": weights, "world": accelerator.num_processes, "listening": listening,
-               "master": os.environ.get("MASTER_ADDR")}, f)
-"""
+TRAIN = str(Path(hasten.testing.__file__).parent / "scripts" / "regression_train.py")
 
 
 def _env(tmp_path):
@@ -69,10 +31,8 @@ def _env(tmp_path):
 
 
 def _script(tmp_path):
-    path = tmp_path / "train.py"
-    path.write_text(TRAIN)
     (tmp_path / "out").mkdir(exist_ok=True)
-    return str(path)
+    return TRAIN
 
 
 def _single_process_weights(tmp_path, script):
