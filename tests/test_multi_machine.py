@@ -110,3 +110,31 @@ def test_a_machine_that_never_arrives_gives_a_rendezvous_timeout(tmp_path, prese
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, out
     assert f"the machines could not meet at {machines[0].ip}:29512" in out, out
+
+
+@needs_netns
+def test_max_restarts_with_c10d_recovers_across_machines_from_the_newest_checkpoint(tmp_path):
+    import torch
+    from test_elastic import SCRIPT  # the single-machine restart test's training script
+
+    script = tmp_path / "resume.py"
+    script.write_text(SCRIPT)
+    marker = tmp_path / "crashed"
+    with simulated_machines(2) as machines:
+        procs = []
+        for rank, machine in enumerate(machines):
+            argv = [sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_machines", "2",
+                    "--machine_rank", str(rank), "--num_processes", "4", "--main_process_ip", machines[0].ip,
+                    "--main_process_port", "29513", "--rdzv_backend", "c10d", "--max_restarts", "1", str(script),
+                    str(tmp_path / "a"), str(tmp_path / "a.pt"), str(marker)]
+            procs.append(machine.popen(argv, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        codes, outs = _wait_all(procs, timeout=240)
+    assert codes == [0, 0], "\n".join(outs)
+    assert marker.exists() and "resumed from checkpoint_1" in "".join(outs)
+    # Uninterrupted reference: the same 4 processes on one machine, no crash.
+    clean = subprocess.run([sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes", "4",
+                            str(script), str(tmp_path / "b"), str(tmp_path / "b.pt"), "-"], env=_env(tmp_path),
+                           capture_output=True, text=True, timeout=240)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    for a, b in zip(torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")):
+        assert torch.allclose(a, b, atol=1e-6)
