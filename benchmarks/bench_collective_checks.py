@@ -1,6 +1,7 @@
 """Cost of the cross-rank shape/dtype check in ``gather`` / ``reduce`` (issue 16, "no silent wrong answer").
 
-Two gloo ranks; per call, hasten's ``gather`` (fingerprint all-gather + data all-gather + cat) vs a plain
+Two gloo ranks; per call, hasten's ``gather`` (fingerprint all-gather + data all-gather + cat, plus the
+hang watchdog's bookkeeping) vs a plain
 ``torch.distributed.all_gather`` + ``torch.cat`` of the same tensor, and hasten's ``reduce(sum)`` vs a
 plain ``all_reduce``, interleaved in the same run. Prints microseconds per call (median of rounds) and
 the extra time the check adds.
@@ -47,8 +48,12 @@ def _plain_reduce(t: torch.Tensor) -> torch.Tensor:
 
 
 def _body(calls: int, rounds: int) -> dict[str, dict[str, float]]:
+    from hasten import PartialState
+    from hasten.ops.watchdog import _TRACKER
     from hasten.utils import gather, reduce
 
+    PartialState()  # as in a real run: the hang watchdog runs and every collective is tracked
+    assert _TRACKER.enabled
     results: dict[str, dict[str, list[float]]] = {}
     for label, shape in SIZES.items():
         t = torch.randn(shape)

@@ -68,7 +68,8 @@ def _wait_all(procs, timeout=150):
 
 
 @needs_netns
-@pytest.mark.parametrize(("count", "backend"), [(2, "static"), (3, "c10d")], ids=["2-machines-static", "3-machines-c10d"])
+@pytest.mark.parametrize(("count", "backend"), [(2, "static"), (3, "c10d")],
+                         ids=["2-machines-static", "3-machines-c10d"])
 def test_namespaced_machines_train_like_one_process(tmp_path, count, backend):
     script = _script(tmp_path)
     reference = _single_process_weights(tmp_path, script)
@@ -115,6 +116,7 @@ def test_a_machine_that_never_arrives_gives_a_rendezvous_timeout(tmp_path, prese
 @needs_netns
 def test_max_restarts_with_c10d_recovers_across_machines_from_the_newest_checkpoint(tmp_path):
     import torch
+
     from test_elastic import SCRIPT  # the single-machine restart test's training script
 
     script = tmp_path / "resume.py"

@@ -55,9 +55,9 @@ def _added_environment(extra: Mapping[str, str]) -> Any:
 
 def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
     """Run the plan under the elastic agent; return the exit code (the failed worker's, if any)."""
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 

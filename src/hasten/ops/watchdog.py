@@ -46,8 +46,9 @@ class _Tracker:
 
     def __init__(self) -> None:
         self.enabled = False
-        self.current: tuple[str, str, str, float] | None = None
-        self.recent: deque[str] = deque(maxlen=_RECENT)
+        # (name, describe(data) or None, call site, start); formatted only when a report is printed
+        self.current: tuple[str, Any, str, float] | None = None
+        self.recent: deque[tuple[str, Any, str]] = deque(maxlen=_RECENT)
         self.last_end = time.monotonic()
 
 
@@ -61,10 +62,10 @@ class _Tracked:
         self.name, self.data = name, data
 
     def __enter__(self) -> None:
-        what = format_description(describe(self.data)) if self.data is not None else "no tensors"
+        what = describe(self.data) if self.data is not None else None
         site = call_site()
         _TRACKER.current = (self.name, what, site, time.monotonic())
-        _TRACKER.recent.append(f"`{self.name}` with {what} at {site}")
+        _TRACKER.recent.append((self.name, what, site))
 
     def __exit__(self, *exc: Any) -> None:
         _TRACKER.current = None
@@ -87,6 +88,10 @@ _UNTRACKED = _Untracked()
 def tracked(name: str, data: Any = None) -> Any:
     """Context manager marking this rank as inside collective ``name`` (a no-op when no watchdog runs)."""
     return _Tracked(name, data) if _TRACKER.enabled else _UNTRACKED
+
+
+def _described(name: str, what: Any, site: str) -> str:
+    return f"`{name}` with {format_description(what) if what is not None else 'no tensors'} at {site}"
 
 
 def process_group_timeout(bound: timedelta) -> timedelta:
@@ -127,7 +132,7 @@ class _Watchdog(threading.Thread):
         now = time.monotonic()
         if current is not None:
             name, what, site, start = current
-            return f"in `{name}` with {what} at {site}, for {now - start:.1f} s"
+            return f"in {_described(name, what, site)}, for {now - start:.1f} s"
         where = _user_line(sys._current_frames().get(self.main_ident))
         return (f"not in a hasten collective; running {where} ({now - _TRACKER.last_end:.1f} s since its last "
                 "collective ended)")
@@ -139,7 +144,8 @@ class _Watchdog(threading.Thread):
     def _report(self) -> None:
         noticed_by = int(self.store.get(_FLAG).decode() or self.rank)
         mine = self._view()
-        self.store.set(f"{_VIEW}{self.rank}", json.dumps({"now": mine, "recent": list(_TRACKER.recent)}))
+        recent = [_described(*entry) for entry in _TRACKER.recent]
+        self.store.set(f"{_VIEW}{self.rank}", json.dumps({"now": mine, "recent": recent}))
         deadline = time.monotonic() + self.collect
         keys = [f"{_VIEW}{r}" for r in range(self.world)]
         while time.monotonic() < deadline and not self.store.check(keys):

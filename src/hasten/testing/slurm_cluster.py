@@ -132,7 +132,8 @@ def slurm_cluster(machines: list[Machine], folder: Path, cpus: int = 2, timeout:
 
     try:
         start("munged", ["munged", "--foreground", "--force", f"--socket={folder}/munge.socket", f"--key-file={key}",
-               f"--pid-file={folder}/munged.pid", f"--log-file={folder}/munged.log", f"--seed-file={folder}/munge.seed"])
+               f"--pid-file={folder}/munged.pid", f"--log-file={folder}/munged.log",
+               f"--seed-file={folder}/munge.seed"])
         deadline = time.monotonic() + 30
         while not (folder / "munge.socket").exists():
             if time.monotonic() > deadline or daemons[0].poll() is not None:
