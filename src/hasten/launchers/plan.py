@@ -27,6 +27,9 @@ HANG_EXIT_CODE = 124
 # Engines whose hasten support is detected by the presence of their module (no import needed).
 _ENGINE_MODULES = {"FSDP": ("hasten.strategies.fsdp2", "FSDP2"),
                    "DEEPSPEED": ("hasten.config.plugins.deepspeed", "DeepSpeed")}
+# NCCL's flight recorder (torch's own): the last collectives of every rank, dumped to
+# /tmp/nccl_trace_rank_<rank> when a collective times out. Complements hasten's watchdog on GPUs.
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 _NOT_AVAILABLE = {"XLA": "TPU (XLA) launches", "MEGATRON_LM": "Megatron-LM launches"}
 
 
@@ -281,6 +284,8 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     variables = worker_env(config, default_threads(config, nproc, options.num_cpu_threads_per_process, env))
     if options.collective_timeout is not None:
         variables[COLLECTIVE_TIMEOUT_VAR] = f"{options.collective_timeout:g}"
+    if config.distributed_type in ("MULTI_GPU", "FSDP", "DEEPSPEED") and not config.use_cpu:
+        variables.update({k: v for k, v in NCCL_FLIGHT_RECORDER.items() if k not in env})
     backend = config.rdzv_backend
     if launcher == "torchrun" and options.max_restarts > 0 and backend == "static":
         # torch's static rendezvous reuses the store keys of the previous round, so restarted workers can
