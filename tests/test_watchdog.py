@@ -88,3 +88,33 @@ def test_debug_mode_bounds_a_missing_rank_by_60_seconds_by_default():
     assert state.debug and state.timeout == datetime.timedelta(minutes=5)
     assert debug._CONFIG.timeout == datetime.timedelta(seconds=60)  # monitored_barrier names a missing rank
     assert watchdog._RUNNING["default"].is_alive()
+
+
+SKIPPED_STEP = """
+import threading
+import torch
+from torch import nn
+from hasten import Accelerator
+acc = Accelerator(cpu=True)
+model, optimizer = acc.prepare(nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1))
+for step in range(3):
+    if acc.process_index == 1 and step == 2:
+        threading.Event().wait(120)  # SKIP-LINE: this rank never runs the third step
+    acc.backward(model(torch.ones(4, 2)).sum())
+"""
+
+
+@pytest.mark.launch
+def test_a_rank_skipping_a_step_is_named_while_the_other_waits_in_backward(tmp_path):
+    script = tmp_path / "skip.py"
+    script.write_text(SKIPPED_STEP)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HASTEN_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes", "2",
+                           "--collective_timeout", "3", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == HANG_EXIT_CODE, out
+    skip_line = SKIPPED_STEP.splitlines().index(
+        "        threading.Event().wait(120)  # SKIP-LINE: this rank never runs the third step") + 1
+    assert f"  rank 0: in `backward (gradient all-reduce)` with no tensors at {script}:" in out, out
+    assert f"  rank 1: not in a hasten collective; running {script}:{skip_line} in <module>" in out, out
