@@ -35,15 +35,17 @@ def _script(tmp_path):
     return TRAIN
 
 
-def _single_process_weights(tmp_path, script):
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    done = subprocess.run([sys.executable, script, str(ref), "12", "-1"], env=_env(tmp_path), capture_output=True,
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The weights one process reaches with the whole global batch (computed once for the module)."""
+    ref = tmp_path_factory.mktemp("reference")
+    done = subprocess.run([sys.executable, TRAIN, str(ref), "12", "-1"], env=_env(ref), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads((ref / "rank0.json").read_text())["weights"]
 
 
+# Fixed ports are safe here: each test's namespaces are new and hold nothing else.
 def _launch_all(machines, tmp_path, script, extra=(), crash_rank=-1, global_batch=12):
     procs = []
     for rank, machine in enumerate(machines):
@@ -70,9 +72,8 @@ def _wait_all(procs, timeout=150):
 @needs_netns
 @pytest.mark.parametrize(("count", "backend"), [(2, "static"), (3, "c10d")],
                          ids=["2-machines-static", "3-machines-c10d"])
-def test_namespaced_machines_train_like_one_process(tmp_path, count, backend):
+def test_namespaced_machines_train_like_one_process(tmp_path, reference, count, backend):
     script = _script(tmp_path)
-    reference = _single_process_weights(tmp_path, script)
     with simulated_machines(count) as machines:
         codes, outs = _wait_all(_launch_all(machines, tmp_path, script, ["--rdzv_backend", backend]))
         assert codes == [0] * count, "\n".join(outs)
