@@ -66,7 +66,8 @@ def test_round_trip_restores_everything(tmp_path):
     counter.count = 7
     folder = accelerator.save_state(tmp_path / "ckpt")
     names = sorted(os.listdir(folder))
-    assert names == ["custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "random_states_0.pkl",
+    assert names == ["custom_checkpoint_0.pkl", "hasten_checkpoint.json", "model.safetensors", "optimizer.bin",
+                     "random_states_0.pkl",
                      "scheduler.bin"]
     saved = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
     expected_next = torch.rand(3)  # what the RNG gives right after the save

@@ -14,6 +14,7 @@ A save becomes visible only when complete; a load checks every file before chang
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +22,25 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hasten import ops
-from hasten.checkpointing import SAVE_STAGE_HOOKS, CheckpointError, capture_rng_state, restore_rng_state
+from hasten.checkpointing import CheckpointError, capture_rng_state, restore_rng_state
 from hasten.checkpointing import files as ckpt
+from hasten.checkpointing import restore_checks as checks
+from hasten.checkpointing.manifest import my_share, read_manifest, verify_files
 from hasten.checkpointing.naming import (
+    check_target,
     checkpoints_root,
+    is_incomplete,
     iteration_of,
     newest_checkpoint,
     prepare_staging,
     prune,
     publish,
+    recover,
+    run_stage_hooks,
     staging_folder,
 )
 from hasten.checkpointing.shards import write_model_files
+from hasten.checkpointing.transaction import Transaction
 
 
 class CheckpointMixin:
@@ -46,7 +54,7 @@ class CheckpointMixin:
         if output_dir is None:
             raise CheckpointError("save_state() needs `output_dir`, or "
                                   "`ProjectConfiguration(automatic_checkpoint_naming=True)` and a project_dir.")
-        return Path(output_dir).expanduser()
+        return Path(os.path.abspath(Path(output_dir).expanduser()))  # "." and ".." have no name to stage beside
 
     def _start_save(self, target: Path) -> None:
         """Main process: check, prune, create the staging folder; then everyone learns the outcome."""
@@ -59,7 +67,7 @@ class CheckpointMixin:
                         raise CheckpointError(
                             f"Checkpoint directory {target} already exists. Load it first (load_state restores the "
                             "iteration) or set `accelerator.project_configuration.iteration` to a new number.")
-                    prune(target.parent, config.total_limit)
+                check_target(target)
                 prepare_staging(target)
             except (OSError, CheckpointError) as exc:
                 error = str(exc)
@@ -67,6 +75,8 @@ class CheckpointMixin:
         if outcome is not None:
             raise CheckpointError(outcome)
         staging_folder(target).mkdir(parents=True, exist_ok=True)  # other machines' local folders
+        if self.is_main_process:
+            run_stage_hooks("staged", staging_folder(target))
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> Path:
@@ -92,15 +102,17 @@ class CheckpointMixin:
             self._write_shared_files(staging, weights, safe_serialization)
         ckpt.torch_save(capture_rng_state(self.step), staging / ckpt.RNG.format(rank=self.process_index))
         self._save_accumulated_gradients(staging)
-        for hook in SAVE_STAGE_HOOKS:
-            hook("before_publish", staging)
+        run_stage_hooks("before_publish", staging)
         self.wait_for_everyone()
         if self.is_main_process:
-            publish(target)
+            publish(target, self.num_processes)
         self.wait_for_everyone()
         if self.is_local_main_process and not self.is_main_process:
-            publish(target)  # machines that do not share the main process's file system
+            publish(target, self.num_processes)  # machines that do not share the main process's file system
         self.wait_for_everyone()
+        if self.is_main_process and self.project_configuration.automatic_checkpoint_naming:
+            run_stage_hooks("published", target)
+            prune(target.parent, self.project_configuration.total_limit)  # only now: never zero checkpoints
         self.project_configuration.iteration += 1
         return target
 
@@ -145,9 +157,12 @@ class CheckpointMixin:
             if newest is None:
                 raise CheckpointError(f"No complete checkpoint under {checkpoints_root(self.project_dir)}.")
             return newest
-        folder = Path(input_dir).expanduser()
+        folder = Path(os.path.abspath(Path(input_dir).expanduser()))
+        recover(folder)  # a save that died between the renames of the fallback publication
         if not folder.is_dir():
             raise CheckpointError(f"Checkpoint folder {folder} does not exist (or is not a folder).")
+        if is_incomplete(folder):
+            raise CheckpointError(f"{folder} holds an unfinished save (it was interrupted); load another checkpoint.")
         return folder
 
     def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
@@ -158,16 +173,24 @@ class CheckpointMixin:
         iteration counter continues after it. Prepared data loaders resume at the saved position.
         Call it on every process.
 
+        Every file listed in the checkpoint's manifest is checked against its recorded size and CRC-32
+        first; pass ``verify_checksums=False`` to skip that (trusted storage). A checkpoint saved by
+        more processes loads with a warning naming the random states it drops.
+
         Raises:
             CheckpointError: a missing folder or file, a damaged file, or a folder that does not match
-                what was prepared (models, optimizers, registered objects, number of processes).
+                what was prepared (models, optimizers, registered objects, number of processes); raised
+                with the same message on every process, before anything changed.
         """
         folder = self._resolve_load_folder(input_dir)
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, str(folder))
         strict = bool(load_model_func_kwargs.pop("strict", True))
         map_location = self._map_location(load_model_func_kwargs.pop("map_location", None))
-        plan = self._read_checkpoint(folder, strict, map_location)
+        verify = bool(load_model_func_kwargs.pop("verify_checksums", True))
+        plan = self._agree(lambda: self._read_checkpoint(folder, strict, map_location, verify))
+        if plan.get("warning") and self.is_main_process:
+            warnings.warn(plan["warning"], UserWarning, stacklevel=2)
         self._apply_checkpoint(plan, strict, folder)
         iteration = iteration_of(folder)
         if self.project_configuration.automatic_checkpoint_naming and iteration is not None:
@@ -182,16 +205,39 @@ class CheckpointMixin:
             return self.device
         raise CheckpointError(f"load_state(map_location={value!r}): use None, 'cpu' or 'on_device'.")
 
-    def _read_checkpoint(self, folder: Path, strict: bool, map_location: Any) -> dict[str, Any]:
+    def _agree(self, read: Any) -> dict[str, Any]:
+        """Run the read phase on every process; if any process fails, every process raises its error."""
+        plan, error, message = None, None, None
+        try:
+            plan = read()
+        except Exception as exc:  # noqa: BLE001 - shared with the other processes, then raised
+            error = exc
+            message = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        messages = ops.gather_object([message]) if self.num_processes > 1 else [message]
+        failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            prefix = "" if self.num_processes == 1 else f"process {rank}: "
+            raise CheckpointError(f"load_state: {prefix}{text}") from error
+        assert plan is not None
+        return plan
+
+    def _read_checkpoint(self, folder: Path, strict: bool, map_location: Any, verify: bool = True) -> dict[str, Any]:
         plan: dict[str, Any] = {"models": [], "optimizers": [], "schedulers": [], "loaders": [], "custom": []}
+        manifest = read_manifest(folder)
+        if manifest is not None and verify:  # the node's processes split the files between them
+            local_world = int(getattr(self.state, "num_local_processes", 1) or 1)
+            verify_files(folder, manifest, my_share(sorted(manifest["files"]), self.local_process_index, local_world))
         if self._strategy.saves_models_itself:
             self._strategy.check_models_and_optimizers(self._models, self._raw_optimizers(), folder)
         for i, model in enumerate([] if self._strategy.saves_models_itself else self._models):
             path, weights = ckpt.read_model_weights(folder, i)
             ckpt.check_model_weights(self.unwrap_model(model), weights, path, strict=strict)
             plan["models"].append(weights)
-        for i, _ in enumerate([] if self._strategy.saves_models_itself else self._optimizers):
-            plan["optimizers"].append(ckpt.torch_load(folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), map_location))
+        for i, optimizer in enumerate([] if self._strategy.saves_models_itself else self._optimizers):
+            path = folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))
+            plan["optimizers"].append(ckpt.torch_load(path, map_location))
+            checks.check_optimizer_state(getattr(optimizer, "optimizer", optimizer), plan["optimizers"][-1], path)
         for i, _ in enumerate(self._schedulers):
             plan["schedulers"].append(ckpt.torch_load(folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i))))
         saved_loaders = ckpt.count_files(folder, "dataloader_state")
@@ -205,15 +251,16 @@ class CheckpointMixin:
             raise CheckpointError(f"{folder} holds {saved_custom} registered objects but {len(self._custom_objects)} "
                                   "are registered with register_for_checkpointing; register the same objects.")
         for i in range(saved_custom):
-            plan["custom"].append(ckpt.torch_load(folder / ckpt.CUSTOM.format(index=i)))
+            plan["custom"].append(ckpt.load_registered_state(folder / ckpt.CUSTOM.format(index=i)))
         if self._precision.scaler is not None and (folder / ckpt.SCALER).is_file():
             plan["scaler"] = ckpt.torch_load(folder / ckpt.SCALER)
+        plan["warning"] = checks.check_process_count(folder, manifest, self.num_processes, plan["loaders"])
         rng_path = folder / ckpt.RNG.format(rank=self.process_index)
         if not rng_path.is_file():
-            saved = ckpt.count_files(folder, "random_states_")
-            raise CheckpointError(f"{rng_path} is missing: the checkpoint was saved by {saved} processes and this is "
-                                  f"process {self.process_index} of {self.num_processes}.")
-        plan["rng"] = (rng_path, _load_rng_file(rng_path))
+            raise CheckpointError(checks.missing_rng_message(folder, rng_path, manifest, self.process_index,
+                                                             self.num_processes))
+        plan["rng"] = (rng_path, ckpt.load_registered_state(rng_path))  # Accelerate's files hold NumPy states
+        checks.check_rng_state(plan["rng"][1], rng_path)
         plan["gradients"] = []
         for i, _ in enumerate(self._models):
             path = folder / ckpt.GRADIENTS.format(suffix=ckpt.suffix(i), rank=self.process_index)
@@ -224,26 +271,32 @@ class CheckpointMixin:
         return [getattr(opt, "optimizer", opt) for opt in self._optimizers]
 
     def _apply_checkpoint(self, plan: dict[str, Any], strict: bool, folder: Path) -> None:
+        # Everything was read and checked; apply the small states first, each with an undo, so a
+        # failure (a registered object refusing its state) puts back what was already restored.
+        with Transaction(folder) as tx:
+            if "scaler" in plan:
+                tx.apply("the loss scaler", self._precision, plan["scaler"])
+            for i, (optimizer, state) in enumerate(zip(self._optimizers, plan["optimizers"])):
+                tx.apply(f"optimizer #{i}", optimizer, state)
+            for i, (scheduler, state) in enumerate(zip(self._schedulers, plan["schedulers"])):
+                tx.apply(f"scheduler #{i}", scheduler, state)
+            for i, (loader, state) in enumerate(zip(self._dataloaders, plan["loaders"])):
+                tx.apply(f"data loader #{i}", loader, state)
+            for i, (obj, state) in enumerate(zip(self._custom_objects, plan["custom"])):
+                tx.apply(f"registered object #{i} ({type(obj).__name__})", obj, state)
+            tx.run("the models", lambda: self._load_models(plan, strict, folder))
+        path, rng = plan["rng"]
+        self.step = restore_rng_state(rng, path)
+        self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
+
+    def _load_models(self, plan: dict[str, Any], strict: bool, folder: Path) -> None:
         if self._strategy.saves_models_itself:
             self._strategy.load_models_and_optimizers(self._models, self._raw_optimizers(), folder)
         for model, weights in zip(self._models, plan["models"]):
             ckpt.load_model_weights(self.unwrap_model(model), weights, strict=strict)
-        if "scaler" in plan:
-            self._precision.load_state_dict(plan["scaler"])
-        for optimizer, state in zip(self._optimizers, plan["optimizers"]):
-            optimizer.load_state_dict(state)
-        for scheduler, state in zip(self._schedulers, plan["schedulers"]):
-            scheduler.load_state_dict(state)
-        for loader, state in zip(self._dataloaders, plan["loaders"]):
-            loader.load_state_dict(state)
-        for obj, state in zip(self._custom_objects, plan["custom"]):
-            obj.load_state_dict(state)
         for model, saved in zip(self._models, plan["gradients"]):
             if saved is not None:
                 ckpt.restore_gradients(self.unwrap_model(model), saved[1], saved[0])
-        path, rng = plan["rng"]
-        self.step = restore_rng_state(rng, path)
-        self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
 
     # ------------------------------------------------------------------------------- other helpers
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
@@ -282,21 +335,3 @@ class CheckpointMixin:
         handle = RemovableHandle(self._load_model_state_pre_hook)
         self._load_model_state_pre_hook[handle.id] = hook
         return handle
-
-
-def _load_rng_file(path: Path) -> dict[str, Any]:
-    try:
-        return ckpt.torch_load(path)
-    except CheckpointError:
-        # Accelerate's files pickle NumPy's state: allow exactly those NumPy types, nothing else.
-        import numpy as np
-
-        core = getattr(np, "_core", None) or np.core
-        allowed = [np.ndarray, np.dtype, core.multiarray._reconstruct]
-        if hasattr(np, "dtypes"):
-            allowed.append(np.dtypes.UInt32DType)
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(f"Could not read checkpoint file {path}: {exc}") from exc

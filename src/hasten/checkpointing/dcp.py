@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from hasten.checkpointing.rng import CheckpointError
+from hasten.checkpointing.safe_load import check_storage_paths, dcp_planner, dcp_reader, load_pickle
 
 MODEL_DIR = "pytorch_model_fsdp_{index}"
 OPTIMIZER_DIR = "optimizer_{index}"
@@ -41,16 +42,13 @@ def is_dcp_folder(path: Path) -> bool:
 
 
 def read_metadata(path: Path) -> Any:
-    """DCP metadata of ``path``; CheckpointError naming the folder when missing or unreadable."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+    """DCP metadata of ``path`` (read without running code); CheckpointError naming the file otherwise."""
     if not is_dcp_folder(path):
         raise CheckpointError(f"{path} is not a torch.distributed.checkpoint folder (no {METADATA_FILE}); the save "
                               "was interrupted or the path is wrong.")
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"Could not read the checkpoint metadata in {path}: {exc}") from exc
+    metadata = load_pickle(path / METADATA_FILE)
+    check_storage_paths(metadata, path)
+    return metadata
 
 
 def saved_tensor_shapes(path: Path, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -80,6 +78,24 @@ def check_model_folder(model: nn.Module, path: Path) -> None:
                               + "; ".join(problems) + ". Nothing was loaded.")
 
 
+def _dcp_load(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
+    """``dcp.load`` through the safe reader and planner; DCP's CheckpointException (a BaseException)
+    becomes a CheckpointError carrying the first rank's reason."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=dcp_reader(path), planner=dcp_planner(path), **kwargs)
+    except CheckpointException as exc:
+        failures = getattr(exc, "failures", {}) or {}
+        first = next(iter(failures.values()), exc)
+        reason = first[0] if isinstance(first, tuple) else first
+        if isinstance(reason, CheckpointError):
+            raise CheckpointError(str(reason)) from None
+        raise CheckpointError(f"Could not read the shards in {path}: {reason!r}. A .distcp file is missing or "
+                              "damaged.") from None
+
+
 # ----------------------------------------------------------------------------- sharded save / load
 def save_model(model: nn.Module, path: Path) -> None:
     """Every rank writes its shards of ``model`` to the DCP folder ``path``."""
@@ -91,11 +107,10 @@ def save_model(model: nn.Module, path: Path) -> None:
 
 def load_model(model: nn.Module, path: Path) -> None:
     """Every rank reads its shards of ``model`` from the DCP folder ``path`` (resharding if needed)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_load(state, path)
     set_model_state_dict(model, state["model"])
 
 
@@ -109,13 +124,12 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Pat
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Read ``optimizer``'s state from ``path``; hyper-parameters (lr, betas...) come back too."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     # get_optimizer_state_dict creates the lazily built state (Adam's moments) first, so DCP has
     # tensors of the right shards to read into even before the first step.
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_load(state, path)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
@@ -154,7 +168,6 @@ def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer
 # ------------------------------------------------------------------------------------- merging
 def read_full_state(path: Path) -> dict[str, torch.Tensor]:
     """Read every tensor of a DCP model folder in one process (no process group), keys without ``model.``."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = read_metadata(path)
@@ -165,7 +178,9 @@ def read_full_state(path: Path) -> dict[str, torch.Tensor]:
     try:
         with warnings.catch_warnings():  # loading in one process is the point here, not a mistake
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+            _dcp_load(tensors, path, no_dist=True)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(f"Could not read the shards in {path}: {exc}. A .distcp file is missing or damaged.") from exc
     if all(key.startswith("model.") for key in tensors):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.checkpointing import safe_load
 from hasten.checkpointing.rng import CheckpointError
 from hasten.utils.serialization import atomic_path
 
@@ -41,13 +42,12 @@ def torch_save(obj: Any, path: Path) -> None:
 
 def torch_load(path: Path, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)``, naming the file when it is missing, truncated or unsafe."""
-    if not path.is_file():
-        raise CheckpointError(f"Checkpoint file {path} is missing.")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"Could not read checkpoint file {path}: {exc}. It is truncated, corrupted, or holds "
-                              "objects that cannot be loaded safely (weights_only=True).") from exc
+    return safe_load.torch_load(path, path, map_location=map_location)
+
+
+def load_registered_state(path: Path) -> Any:
+    """A registered object's state: tensors, builtins, NumPy values, datetime, pathlib, enums, dataclasses."""
+    return safe_load.torch_load(path, path, user_types=True)
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, int, tuple[int, ...]]:

@@ -1,19 +1,41 @@
 """Checkpoint folders: automatic naming, pruning to ``total_limit``, and crash-safe publication.
 
-A save is written into ``<folder>.tmp`` and renamed to ``<folder>`` only when every process has
-finished, so a crash mid-save never produces a folder that looks complete, and never touches the
-previous checkpoint. Automatic names are ``{project_dir}/checkpoints/checkpoint_{i}``; only complete
-folders count when choosing the newest or pruning the oldest.
+A save is written into ``<folder>.tmp`` and published when every process has finished: its files are
+checksummed and fsync'ed, the manifest is written last, and one atomic rename (an exchange, on Linux,
+when an earlier checkpoint has the name) makes it ``<folder>``. A crash at any point leaves either the
+previous checkpoint or the new one under the name, never neither. Nothing hasten did not write is
+deleted or moved: a target holding other files is refused. Automatic names are
+``{project_dir}/checkpoints/checkpoint_{i}``; only complete folders count when choosing the newest or
+pruning the oldest, and pruning happens after the new checkpoint is published.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import shutil
+import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
+from hasten.checkpointing.manifest import (
+    MANIFEST,
+    STAGING_MARKER,
+    foreign_entries,
+    read_manifest,
+    write_manifest,
+)
 from hasten.checkpointing.rng import CheckpointError
+from hasten.utils.serialization import fsync_dir
+
+#: Test-only instrumentation: callables run as ``hook(stage, folder)`` at the stages of a save:
+#: "staged" (staging folder created, nothing written), "before_publish" (every file written),
+#: "exchanged" (new checkpoint in place, previous one not yet deleted), "between_renames" (the
+#: fallback path without an atomic exchange), "published" (before pruning).
+SAVE_STAGE_HOOKS: list[Callable[[str, Path], None]] = []
 
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
@@ -56,47 +78,177 @@ def iteration_of(folder: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def prune(root: Path, total_limit: int | None, keep_room_for_one: bool = True) -> list[Path]:
-    """Delete the oldest complete checkpoints so that, after one more save, at most ``total_limit`` remain."""
+def run_stage_hooks(stage: str, folder: Path) -> None:
+    """Run the test instrumentation registered in :data:`SAVE_STAGE_HOOKS`."""
+    for hook in SAVE_STAGE_HOOKS:
+        hook(stage, folder)
+
+
+def prune(root: Path, total_limit: int | None) -> list[Path]:
+    """After a save is published: delete the oldest complete checkpoints beyond ``total_limit``.
+
+    The newest checkpoint is always kept, and a folder holding files hasten did not write is kept
+    (with a warning) rather than deleted.
+    """
     if total_limit is None:
         return []
     found = complete_checkpoints(root)
-    excess = len(found) + (1 if keep_room_for_one else 0) - total_limit
+    excess = min(len(found) - max(total_limit, 1), len(found) - 1)
     removed = []
     for _, path in found[: max(excess, 0)]:
+        foreign = foreign_entries(path)
+        if foreign:
+            warnings.warn(f"total_limit: kept {path} because it holds files hasten did not write: {foreign[:5]}",
+                          stacklevel=3)
+            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
+    if removed:
+        fsync_dir(root)
     return removed
+
+
+def writes_in_place(target: Path) -> bool:
+    """A target that is (or holds) the working directory cannot be renamed: it is written in place."""
+    cwd = Path.cwd().resolve()
+    resolved = target.resolve()
+    return cwd == resolved or resolved in cwd.parents
 
 
 def staging_folder(target: Path) -> Path:
     """Where a save into ``target`` is written before it is published."""
+    if writes_in_place(target):
+        return target / (".hasten_staging" + TMP_SUFFIX)
     return target.with_name(target.name + TMP_SUFFIX)
 
 
+def check_target(target: Path) -> None:
+    """Refuse a target whose replacement would lose something hasten did not write.
+
+    Raises:
+        CheckpointError: ``target`` is a file, or a folder holding files that are not a hasten
+            checkpoint's, naming them and the fix.
+    """
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"save_state: {target} is a file, not a checkpoint folder; hasten does not replace it. "
+                              "Pass another path, or move the file away.")
+    old = target.with_name(target.name + OLD_SUFFIX) if target.name else None
+    if old is not None and old.exists() and (not old.is_dir() or foreign_entries(old)):
+        raise CheckpointError(f"save_state: {old} exists and is not a hasten checkpoint; hasten may need that name "
+                              "while it replaces the checkpoint. Rename or move it.")
+    foreign = foreign_entries(target)
+    if writes_in_place(target):
+        foreign = [f for f in foreign if not f.startswith(".hasten_staging")]
+    if foreign:
+        raise CheckpointError(f"save_state: {target} already holds files that are not part of a hasten checkpoint "
+                              f"({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}); saving there would "
+                              "replace the folder and lose them. Save into a new or empty folder (for example "
+                              f"{target / 'checkpoint'}), or move those files away.")
+
+
 def prepare_staging(target: Path) -> Path:
-    """Create an empty staging folder (a leftover from a crashed save is discarded)."""
+    """Create an empty staging folder marked as hasten's (a leftover from a crashed save is discarded)."""
+    recover(target)
     staging = staging_folder(target)
     if staging.exists():
+        # Ours when it carries the staging marker (a killed save; it may hold half-written temporary
+        # files) or holds only checkpoint files (a previous checkpoint swapped out before deletion).
+        marked = staging.is_dir() and (staging / STAGING_MARKER).is_file()
+        foreign = [] if marked else foreign_entries(staging) if staging.is_dir() else [staging.name]
+        if foreign:
+            raise CheckpointError(f"save_state: {staging} exists and holds files hasten did not write "
+                                  f"({foreign[:5]}); hasten stages the save there. Move it away.")
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
+    (staging / STAGING_MARKER).touch()
     return staging
 
 
-def publish(target: Path) -> None:
-    """Atomically move the finished staging folder to ``target`` (replacing an older ``target``).
+def _exchange(first: Path, second: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(first))
 
-    Called by one process per file system after every process finished writing. A missing staging
-    folder means another process on the same file system already published it.
+
+def publish(target: Path, num_processes: int) -> None:
+    """Checksum, sync and write the manifest of the finished staging folder, then make it ``target``.
+
+    An earlier checkpoint under ``target`` is swapped out in one atomic exchange where the system
+    offers one (Linux); elsewhere it is renamed to ``<name>.old`` first and :func:`recover` restores
+    it if the process dies between the two renames. Called by one process per file system after every
+    process finished writing; a missing staging folder means another process already published it.
     """
     staging = staging_folder(target)
     if not staging.exists():
         return
-    old = target.with_name(target.name + OLD_SUFFIX)
+    write_manifest(staging, num_processes)
+    if writes_in_place(target):
+        _publish_in_place(staging, target)
+        return
     if target.exists():
+        if _exchange(staging, target):
+            fsync_dir(target.parent)
+            run_stage_hooks("exchanged", target)
+            shutil.rmtree(staging, ignore_errors=True)  # the previous checkpoint, now under the staging name
+            return
+        old = target.with_name(target.name + OLD_SUFFIX)
         if old.exists():
             shutil.rmtree(old)
         os.replace(target, old)
-    os.replace(staging, target)
-    if old.exists():
+        run_stage_hooks("between_renames", target)
+        os.replace(staging, target)
+        fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
+        return
+    os.replace(staging, target)
+    fsync_dir(target.parent)
+
+
+def _publish_in_place(staging: Path, target: Path) -> None:
+    """Move the staged entries into ``target`` itself (the working directory); the manifest moves last.
+
+    While this runs the folder holds the staging marker, so a crash leaves a folder that loads refuse.
+    """
+    (target / STAGING_MARKER).touch()
+    previous = read_manifest(target)
+    (target / MANIFEST).unlink(missing_ok=True)
+    for rel in previous["files"] if previous else ():  # the previous save's files (checked to be hasten's)
+        (target / rel).unlink(missing_ok=True)
+    for entry in sorted(staging.iterdir()):
+        if entry.name == MANIFEST:
+            continue
+        destination = target / entry.name
+        if destination.is_dir() and not destination.is_symlink():
+            shutil.rmtree(destination)
+        os.replace(entry, destination)
+    os.replace(staging / MANIFEST, target / MANIFEST)
+    staging.rmdir()
+    (target / STAGING_MARKER).unlink(missing_ok=True)
+    fsync_dir(target)
+
+
+def recover(target: Path) -> None:
+    """Put back a checkpoint left as ``<name>.old`` by a crash between the two renames of :func:`publish`."""
+    old = target.with_name(target.name + OLD_SUFFIX)
+    if not target.exists() and old.is_dir() and read_manifest(old) is not None:
+        try:
+            os.replace(old, target)
+        except FileNotFoundError:
+            return  # another process recovered it first
+        fsync_dir(target.parent)
+
+
+def is_incomplete(folder: Path) -> bool:
+    """True for a staging folder, or an in-place save that did not finish."""
+    return (folder / STAGING_MARKER).exists()

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from types import FrameType
 
 from hasten.exceptions import LaunchError
+from hasten.launchers.worker import die_with_parent
 
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
 
@@ -18,6 +19,11 @@ _FORWARDED = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (
 def exit_code(returncode: int) -> int:
     """A shell-style exit code: a child killed by signal N gives 128 + N."""
     return returncode if returncode >= 0 else 128 - returncode
+
+
+def _child_dies_with_launcher() -> None:
+    """Runs in the forked child before exec: SIGKILL it when the launcher dies (Linux)."""
+    die_with_parent()
 
 
 def run_process(command: list[str], extra_env: Mapping[str, str]) -> int:
@@ -36,7 +42,7 @@ def run_process(command: list[str], extra_env: Mapping[str, str]) -> int:
     env = dict(os.environ)
     env.update(extra_env)
     try:
-        child = subprocess.Popen(command, env=env)
+        child = subprocess.Popen(command, env=env, preexec_fn=_child_dies_with_launcher)
     except OSError as exc:
         raise LaunchError(f"Cannot start {command[0]!r}: {exc.strerror}. HINT: check the path; with --no_python "
                           "the script must be an executable file.") from None

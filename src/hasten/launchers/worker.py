@@ -14,8 +14,31 @@ from __future__ import annotations
 import atexit
 import os
 import runpy
+import signal
 import sys
 from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent (the launcher) dies, even by SIGKILL.
+
+    ``parent_pid`` is the launcher's pid as seen before the call: if the launcher already died (the
+    process was re-parented in the meantime), exit at once instead of running orphaned. A no-op on
+    other systems.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(128 + int(signal.SIGKILL))
 
 
 def _exit_code(code: Any) -> int:
@@ -48,6 +71,7 @@ def run_target(target: str, args: list[str], as_module: bool) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the worker described by ``argv`` and exit with its status."""
+    die_with_parent(os.getppid())
     argv = list(sys.argv[1:] if argv is None else argv)
     as_module = argv[:1] == ["--module"]
     if as_module:

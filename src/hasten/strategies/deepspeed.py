@@ -331,6 +331,7 @@ class DeepSpeedStrategy(Strategy):
     def check_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                     folder: Path) -> None:
         from hasten.checkpointing import CheckpointError
+        from hasten.checkpointing.safe_load import check_deepspeed_files
 
         for tag, engine in self._engines(models):
             sub = Path(folder) / tag
@@ -341,6 +342,8 @@ class DeepSpeedStrategy(Strategy):
             if engine.zero_optimization() and ranks != self.num_processes:
                 raise CheckpointError(f"{sub} was saved by {ranks} DeepSpeed processes but this run has "
                                       f"{self.num_processes}; ZeRO shards load only into the same number of processes.")
+            # DeepSpeed reads its files with weights_only=False: refuse any that names a non-allowed type.
+            check_deepspeed_files(sorted(sub.glob("*.pt")))
 
     def load_models_and_optimizers(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                    folder: Path) -> None:

@@ -1,4 +1,5 @@
-"""Crash-safe writes: write to a temporary name in the same folder, then rename into place."""
+"""Crash-safe, durable writes: write to a temporary name in the same folder, fsync it, rename it into
+place, fsync the folder. A crash or power loss leaves either the old file or the complete new one."""
 
 from __future__ import annotations
 
@@ -10,11 +11,36 @@ from pathlib import Path
 from typing import Any
 
 
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush ``path``'s data to the storage device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make the entries of folder ``path`` (creations, renames) durable; a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # Windows: folders cannot be opened, and NTFS journals renames itself
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder; their renames are already ordered
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``target``; on success it replaces ``target`` in one rename.
+    """Yield a temporary path beside ``target``; on success it is fsync'ed and replaces ``target`` in one
+    rename, and the folder is fsync'ed.
 
-    A crash (or an exception) leaves the previous ``target`` untouched and removes the temporary file.
+    A crash (or an exception) leaves the previous ``target`` untouched and removes the temporary file;
+    a power loss never publishes an empty or partial file under ``target``.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -23,7 +49,9 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        fsync_file(tmp_path)
         os.replace(tmp_path, target)
+        fsync_dir(target.parent)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
