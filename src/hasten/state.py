@@ -116,7 +116,8 @@ class PartialState:
                                                                   timeout=process_group_timeout(timeout))
             enable_debug_checks(group, min(timeout, DEBUG_MISSING_RANK_BOUND))
         if world > 1:
-            start_watchdog(timeout)
+            # In debug mode the monitored barrier names a missing rank first; the watchdog comes after it.
+            start_watchdog(timeout + (min(timeout, DEBUG_MISSING_RANK_BOUND) if self.debug else timedelta()))
         if owns_group:
             _install_exit_teardown()
 
