@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean install system-deps
+.PHONY: demo test lint clean install system-deps bench bench-full
 
 install: $(STAMP)
 
@@ -40,7 +40,27 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 
 clean:
-	rm -rf $(VENV) .tmp
+	rm -rf $(VENV) $(BENCH_VENV) .tmp
+
+# Benchmarks run in their own venv, which also holds Accelerate (measured beside hasten in the same run);
+# the project's .venv never gets it. `make bench`: the quick growth curves (a few minutes on 2 cores, a
+# smoke test, outputs in .tmp/bench); `make bench-full`: the documented figures, into docs/scaling/.
+BENCH_VENV := .bench-venv
+BENCH_PY := $(BENCH_VENV)/bin/python
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP): pyproject.toml
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install --quiet --upgrade pip
+	$(BENCH_PY) -m pip install --quiet torch==2.13.0 setuptools wheel
+	$(BENCH_PY) -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BENCH_PY) benchmarks/run_benchmarks.py --quick
+
+bench-full: $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(BENCH_PY) benchmarks/run_benchmarks.py --repeats $(or $(REPEATS),3)
 
 # The documentation site (docs/ + API reference from the docstrings) into site/; any warning fails it.
 .PHONY: docs

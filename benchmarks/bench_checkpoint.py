@@ -51,7 +51,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.6)
     parser.add_argument("--dir", default="/tmp/bench_ckpt")
+    parser.add_argument("--quick", action="store_true", help="a 0.1 GB model: checks the script works (not a measurement)")
     args = parser.parse_args()
+    if args.quick:
+        args.gb = 0.1
     root = Path(args.dir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

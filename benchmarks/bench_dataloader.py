@@ -91,7 +91,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16384)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=9)
+    parser.add_argument("--quick", action="store_true", help="one short repeat: checks the script works (not a measurement)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.samples, args.epochs = 1, 4096, 3
     names = ["raw", "hasten"]
     try:
         import accelerate

@@ -139,7 +139,10 @@ def _single(fn: Callable[[], float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="one short repeat: checks the script works (not a measurement)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats = 1
     try:
         import accelerate  # noqa: F401
         have_accelerate = True

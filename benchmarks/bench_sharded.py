@@ -251,7 +251,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="one short repeat: checks the script works (not a measurement)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 1, 3
     setups: dict[str, tuple[Callable[..., Any], str]] = {
         "hasten ddp": (hasten_run, "ddp"), "hasten fsdp2": (hasten_run, "fsdp2"),
         "hasten fsdp2 (no reshard)": (hasten_run, "fsdp2-keep")}

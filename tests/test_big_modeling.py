@@ -149,6 +149,30 @@ def test_get_max_memory_measures_ram_without_budget():
     assert budget["cpu"] > 0
 
 
+def test_ram_budget_is_psutils_available_memory():
+    """Read from /proc/meminfo (no psutil import on the load path), it must agree with psutil's figure."""
+    psutil = pytest.importorskip("psutil")
+    before = psutil.virtual_memory().available
+    measured = get_max_memory()["cpu"]
+    after = psutil.virtual_memory().available
+    assert 0.9 * min(before, after) <= measured <= 1.1 * max(before, after)
+
+
+def test_walk_buffer_sizes_equal_the_per_module_computation():
+    """One buffer table per walk must give each module what compute_module_total_buffer_size gives it."""
+    from hasten.big_modeling.device_map import _init_walk
+    from hasten.big_modeling.sizes import compute_module_total_buffer_size
+
+    shared = nn.BatchNorm1d(4)
+    model = nn.Sequential(nn.Linear(3, 4), shared, nn.Sequential(shared, nn.BatchNorm1d(4), nn.Linear(4, 2)))
+    model[2][1].register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+    for dtype in (None, torch.float16):
+        walk = _init_walk(model, {"cpu": 10**6}, None, dtype, None)
+        for name, module in model.named_modules(remove_duplicate=False):
+            if name:
+                assert walk.buffer_bytes(name, module, dtype) == compute_module_total_buffer_size(module, dtype=dtype)
+
+
 @pytest.mark.parametrize("budget, expected", [
     ({0: 200, 1: 200}, {0: 200, 1: 200}),
     ({0: 200, 2: 200}, {0: 200, 2: 200}),
@@ -323,6 +347,25 @@ def test_set_module_tensor_to_device_and_retie():
     assert model.head.weight is model.embed.weight
     set_module_tensor_to_device(model, "blocks.0.fc1.bias", "cpu", value=torch.ones(8), dtype=torch.float16)
     assert model.blocks[0].fc1.bias.dtype == torch.float16
+
+
+def test_set_module_tensor_to_device_keeps_a_value_already_in_place():
+    """A value with the target device and dtype becomes the parameter's data without a copy (as
+    ``load_state_dict(assign=True)``); buffers keep the value object; other dtypes are still cast."""
+    with init_empty_weights():
+        model = ModelForTest()
+    weight = torch.randn(4, 3)
+    set_module_tensor_to_device(model, "linear1.weight", "cpu", value=weight)
+    assert model.linear1.weight.data_ptr() == weight.data_ptr()
+    assert isinstance(model.linear1.weight, nn.Parameter) and model.linear1.weight.requires_grad
+    mean = torch.zeros(4)
+    set_module_tensor_to_device(model, "batchnorm.running_mean", torch.device("cpu"), value=mean)
+    assert model.batchnorm.running_mean is mean
+    set_module_tensor_to_device(model, "linear1.bias", "cpu", value=torch.ones(4, dtype=torch.float64))
+    assert model.linear1.bias.dtype == torch.float32 and model.linear1.bias.requires_grad
+    moved = nn.Linear(2, 2)
+    set_module_tensor_to_device(moved, "weight", "meta")
+    assert moved.weight.device.type == "meta" and moved.weight.requires_grad
 
 
 def test_model_hooks_chain_and_remove():

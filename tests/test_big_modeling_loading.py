@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -404,6 +405,37 @@ def test_peak_memory_while_loading_stays_near_the_cpu_budget(tmp_path):
     assert result["same"] and result["map"] == ["cpu", "disk"]
     layer = (2048 * 2048 + 2048) * 4
     assert result["growth"] < 60 * 10**6 + layer + 30 * 10**6, result
+
+
+_AUTO_CPU_SCRIPT = """
+import json
+import sys
+from hasten.big_modeling import init_empty_weights, load_checkpoint_and_dispatch
+sys.path.insert(0, sys.argv[2])
+from test_big_modeling_loading import TinyLM
+with init_empty_weights():
+    model = TinyLM().eval()
+model = load_checkpoint_and_dispatch(model, sys.argv[1], device_map="auto")
+hooked = [n for n, m in model.named_modules() if hasattr(m, "_hf_hook") or m._forward_pre_hooks or m._forward_hooks]
+print(json.dumps({"psutil": "psutil" in sys.modules, "map": dict(model.hf_device_map), "hooked": hooked}))
+"""
+
+
+def test_auto_load_that_fits_in_ram_needs_no_psutil_and_installs_no_hooks(tmp_path, reference):
+    """The all-CPU ``device_map="auto"`` load: no psutil import (it costs more than the load), no hooks,
+    so the forward is the plain model's; and parameters are the loaded tensors, not copies."""
+    model, idx, expected = reference
+    folder = save_sharded(model, tmp_path / "ckpt", 2)
+    out = subprocess.run([sys.executable, "-c", _AUTO_CPU_SCRIPT, str(folder), str(Path(__file__).parent)],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result == {"psutil": False, "map": {"": "cpu"}, "hooked": []}
+    loaded = load_checkpoint_and_dispatch(empty_lm(), str(folder), device_map="auto")
+    params = {name: p for name, p in loaded.named_parameters()}
+    again = dispatch_model(loaded, {"": "cpu"})
+    assert all(p is params[name] for name, p in again.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), expected)
 
 
 @pytest.mark.filterwarnings("ignore:Loading .*position_ids")

@@ -18,11 +18,10 @@ from torch import nn
 
 from hasten.big_modeling.sizes import (
     compute_module_sizes,
-    compute_module_total_buffer_size,
     get_max_layer_size,
     get_max_memory,
 )
-from hasten.big_modeling.tensors import find_tied_parameters
+from hasten.big_modeling.tensors import dtype_byte_size, find_tied_parameters, is_integer_dtype, str_to_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +51,27 @@ class _Walk:
     current: int = 0
     max_layer: int = 0
     max_layer_names: list[str] = field(default_factory=list)
+    model: nn.Module | None = None
+    _buffer_table: Mapping[str, int] | None = None
 
     def refresh_max_layer(self) -> None:
         modules = [(n, m) for n, m in self.todo if isinstance(m, nn.Module)]
         self.max_layer, self.max_layer_names = get_max_layer_size(modules, self.sizes, self.no_split)
+
+    def buffer_bytes(self, name: str, module: nn.Module, dtype: Any) -> int:
+        """Bytes of the buffers under module ``name``, from one table built on first use (not a walk per module)."""
+        if self._buffer_table is None:
+            table: dict[str, int] = {}
+            size = dtype_byte_size(str_to_dtype(dtype)) if dtype is not None else None
+            for full, buffer in self.model.named_buffers(remove_duplicate=False):  # shared modules under each name
+                own = dtype_byte_size(buffer.dtype)
+                nbytes = buffer.numel() * (own if size is None or is_integer_dtype(buffer.dtype) else min(size, own))
+                parts = full.split(".")
+                for index in range(1, len(parts)):
+                    prefix = ".".join(parts[:index])
+                    table[prefix] = table.get(prefix, 0) + nbytes
+            self._buffer_table = table
+        return int(self._buffer_table.get(name, 0))
 
     def index_of(self, name: str) -> int | None:
         return next((i for i, (n, _) in enumerate(self.todo) if n == name), None)
@@ -102,8 +118,7 @@ def _assign(walk: _Walk, name: str, module: Any, device: Any, size: int, tied_na
             walk.todo.pop(index)
         walk.device_map[tied_name] = device
     if not offload_buffers and isinstance(module, nn.Module):
-        walk.buffers[device] = walk.buffers.get(device, 0) + compute_module_total_buffer_size(
-            module, dtype=dtype, special_dtypes=special_dtypes)
+        walk.buffers[device] = walk.buffers.get(device, 0) + walk.buffer_bytes(name, module, dtype)
 
 
 def _split_a_tied_module(walk: _Walk, name: str, module: Any, tied_names: list[str], tied_modules: list[Any]) -> bool:
@@ -154,7 +169,8 @@ def _expand_without(name: str, module: Any, target: str) -> list[tuple[str, Any]
     return pieces
 
 
-def _init_walk(model: nn.Module, max_memory: Any, no_split: Any, dtype: Any, special_dtypes: Any) -> _Walk:
+def _init_walk(model: nn.Module, max_memory: Any, no_split: Any, dtype: Any, special_dtypes: Any,
+               sizes: Mapping[str, int] | None = None) -> _Walk:
     budget = get_max_memory(max_memory)
     if no_split is None:
         no_split = []
@@ -168,8 +184,9 @@ def _init_walk(model: nn.Module, max_memory: Any, no_split: Any, dtype: Any, spe
     todo = (list(model.named_parameters(recurse=False)) + list(model.named_children())
             + list(model.named_buffers(recurse=False)))
     walk = _Walk(devices=devices, max_memory=budget, main_devices=main, no_split=list(no_split), todo=todo,
-                 sizes=compute_module_sizes(model, dtype=dtype, special_dtypes=special_dtypes),
-                 tied=find_tied_parameters(model))
+                 sizes=sizes if sizes is not None else compute_module_sizes(model, dtype=dtype,
+                                                                            special_dtypes=special_dtypes),
+                 tied=find_tied_parameters(model), model=model)
     walk.used = {d: 0 for d in devices}
     walk.refresh_max_layer()
     return walk
@@ -191,7 +208,16 @@ def infer_auto_device_map(model: nn.Module, max_memory: Mapping[Any, int | str] 
         ...                       no_split_module_classes=["Block"])
         OrderedDict([('embed', 0), ('blocks.0', 0), ..., ('head', 1)])
     """
-    walk = _init_walk(model, max_memory, no_split_module_classes, dtype, special_dtypes)
+    return _walk_device_map(model, max_memory, no_split_module_classes, dtype, special_dtypes, verbose, clean_result,
+                            offload_buffers, fallback_allocation)
+
+
+def _walk_device_map(model: nn.Module, max_memory: Any, no_split_module_classes: Any, dtype: Any, special_dtypes: Any,
+                     verbose: bool = False, clean_result: bool = True, offload_buffers: bool = False,
+                     fallback_allocation: bool = False,
+                     sizes: Mapping[str, int] | None = None) -> OrderedDict[str, int | str]:
+    """``infer_auto_device_map``, reusing ``sizes`` when the caller already computed them (``device_map="auto"``)."""
+    walk = _init_walk(model, max_memory, no_split_module_classes, dtype, special_dtypes, sizes)
     while walk.todo:
         name, module = walk.todo.pop(0)
         if verbose:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hasten.big_modeling.attach import attach_align_device_hook, attach_align_device_hook_on_blocks
-from hasten.big_modeling.device_map import check_device_map, infer_auto_device_map
+from hasten.big_modeling.device_map import _walk_device_map, check_device_map
 from hasten.big_modeling.hooks import (
     AlignDevicesHook,
     CpuOffload,
@@ -33,7 +33,12 @@ from hasten.big_modeling.sizes import (
     get_max_layer_size,
     get_max_memory,
 )
-from hasten.big_modeling.tensors import find_tied_parameters, get_submodule_and_name, retie_parameters
+from hasten.big_modeling.tensors import (
+    as_torch_device,
+    find_tied_parameters,
+    get_submodule_and_name,
+    retie_parameters,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -191,9 +196,16 @@ def dispatch_model(model: nn.Module, device_map: Mapping[str, int | str | torch.
         if str(device) == "disk":
             raise ValueError("The device_map puts the whole model on the disk: use `disk_offload(model, offload_dir)` "
                              "instead.")
-        model.to(torch.device("cuda", device) if isinstance(device, int) else device)
+        target = as_torch_device(device)
+        if not _all_on(model, target):  # a loaded model is usually there already: skip a walk over every module
+            model.to(target)
     model.hf_device_map = dict(device_map)
     return model
+
+
+def _all_on(model: nn.Module, device: torch.device) -> bool:
+    """True when every parameter and buffer of ``model`` already sits on ``device`` (``model.to`` is a no-op)."""
+    return all(t.device == device for t in model.parameters()) and all(t.device == device for t in model.buffers())
 
 
 def _dispatch_with_hooks(model: nn.Module, device_map: Mapping[str, Any], main_device: Any, state_dict: Any,
@@ -250,19 +262,20 @@ def _auto_device_map(model: nn.Module, device_map: str, max_memory: Any, no_spli
         max_memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
                                          dtype=dtype, low_zero=(device_map == "balanced_low_0"))
     budget = get_max_memory(max_memory)
-    _check_room_for_largest_layer(model, budget, no_split_module_classes, dtype)
-    return infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split_module_classes,
-                                 dtype=dtype, offload_buffers=offload_buffers)
+    sizes = compute_module_sizes(model, dtype=dtype)  # once, for the check and the walk
+    _check_room_for_largest_layer(model, budget, no_split_module_classes, sizes)
+    return _walk_device_map(model, budget, no_split_module_classes, dtype, None, offload_buffers=offload_buffers,
+                            sizes=sizes)
 
 
-def _check_room_for_largest_layer(model: nn.Module, budget: Mapping[Any, int], no_split: Any, dtype: Any) -> None:
+def _check_room_for_largest_layer(model: nn.Module, budget: Mapping[Any, int], no_split: Any,
+                                  sizes: Mapping[str, int]) -> None:
     """Every layer must fit on the main device to run: say how much is needed when it cannot."""
     gpus = [d for d in budget if isinstance(d, int) and budget[d] > 0]
     main = gpus[0] if gpus else ("mps" if "mps" in budget else "cpu")
     if main not in budget:
         return
     no_split = [no_split] if isinstance(no_split, str) else list(no_split or [])
-    sizes = compute_module_sizes(model, dtype=dtype)
     largest, names = get_max_layer_size(list(model.named_children()) or [("", model)], sizes, no_split)
     if budget[main] < largest:
         raise ValueError(f"max_memory[{main!r}] = {budget[main]} bytes cannot hold the largest layer "

@@ -24,6 +24,10 @@ def dtype_byte_size(dtype: torch.dtype | str) -> float:
         >>> dtype_byte_size(torch.float16)
         2
     """
+    if isinstance(dtype, torch.dtype):
+        known = _DTYPE_BYTES.get(dtype)
+        if known is not None:  # the per-tensor path of every size computation: no string parsing
+            return known
     if isinstance(dtype, str):
         dtype = str_to_dtype(dtype) if not dtype.startswith(("int4", "int2", "fp8", "float8")) else dtype
     if dtype == torch.bool:
@@ -39,6 +43,12 @@ def dtype_byte_size(dtype: torch.dtype | str) -> float:
     if match is None:
         raise ValueError(f"`dtype` is not a valid dtype: {dtype}.")
     return int(match.groups()[0]) // 8
+
+
+_DTYPE_BYTES: dict[torch.dtype, float] = {
+    torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8, torch.int64: 8, torch.int32: 4,
+    torch.int16: 2, torch.int8: 1, torch.uint8: 1, torch.bool: 1 / 8, torch.complex64: 8,
+}
 
 
 def str_to_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -99,9 +109,17 @@ def get_submodule_and_name(module: nn.Module, tensor_name: str) -> tuple[nn.Modu
 
 def as_torch_device(device: int | str | torch.device) -> torch.device:
     """One key per device for the tied-parameters map: ``0``, ``"cuda:0"`` and ``torch.device("cuda", 0)`` agree."""
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    return torch.device(device)
+    if isinstance(device, torch.device):
+        return device
+    known = _DEVICES.get(device)
+    if known is None:
+        known = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if len(_DEVICES) < 64:  # device names are few; a bound keeps a pathological caller from growing it
+            _DEVICES[device] = known
+    return known
+
+
+_DEVICES: dict[int | str, torch.device] = {}
 
 
 def _tied_copy(tied_params_map: dict[int, dict[Any, torch.Tensor]] | None, device_key: torch.device,
@@ -115,7 +133,9 @@ def _tied_copy(tied_params_map: dict[int, dict[Any, torch.Tensor]] | None, devic
 
 
 def _same_device(a: torch.device, b: torch.device | str | int) -> bool:
-    b = torch.device(b) if not isinstance(b, int) else torch.device("cuda", b)
+    b = as_torch_device(b)
+    if a == b:
+        return True
     if a.type != b.type:
         return False
     return a.index == b.index or (a.type == "cuda" and (a.index or 0) == (b.index or 0))
@@ -138,46 +158,52 @@ def set_module_tensor_to_device(module: nn.Module, tensor_name: str, device: int
         >>> set_module_tensor_to_device(layer, "weight", "cpu", value=torch.zeros(2, 2))
     """
     module, name = get_submodule_and_name(module, tensor_name)
-    device_key = as_torch_device(device)
     if name not in module._parameters and name not in module._buffers:
         raise ValueError(f"{type(module).__name__} has no parameter or buffer named {name!r} ({tensor_name!r}).")
     is_buffer = name in module._buffers
-    old_value = getattr(module, name)
-    shared = _tied_copy(tied_params_map, device_key, value, old_value)
-    if shared is not None:
-        module._parameters[name] = shared  # reuse the copy of this tied weight already on `device`
-        return
-    if old_value is not None and old_value.device.type == "meta" and str(device) != "meta" and value is None:
+    old_value = module._buffers[name] if is_buffer else module._parameters[name]
+    device_key = as_torch_device(device)
+    if tied_params_map is not None:
+        shared = _tied_copy(tied_params_map, device_key, value, old_value)
+        if shared is not None:
+            module._parameters[name] = shared  # reuse the copy of this tied weight already on `device`
+            return
+    if old_value is not None and old_value.device.type == "meta" and device_key.type != "meta" and value is None:
         raise ValueError(f"{tensor_name} is on the meta device: a `value` is needed to put it on {device}.")
     if value is not None:
         if old_value is not None and old_value.shape != value.shape:
             raise ValueError(f"Trying to set a tensor of shape {tuple(value.shape)} in {tensor_name!r} (which has "
                              f"shape {tuple(old_value.shape)}): the checkpoint does not match the model.")
         if dtype is None and old_value is not None:
-            value = value.to(old_value.dtype, non_blocking=non_blocking)
+            if value.dtype != old_value.dtype:
+                value = value.to(old_value.dtype, non_blocking=non_blocking)
         elif dtype is not None and not is_integer_dtype(value.dtype):
             value = value.to(str_to_dtype(dtype), non_blocking=non_blocking)
-    with torch.no_grad():
-        if value is None:
-            new_value = old_value.to(device, non_blocking=non_blocking)
-            if dtype is not None and str(device) == "meta" and not is_integer_dtype(old_value.dtype):
-                new_value = new_value.to(str_to_dtype(dtype))
-        elif isinstance(value, torch.Tensor):
-            new_value = value.to(device, non_blocking=non_blocking)
+    if value is None:
+        with torch.no_grad():  # the old value is a Parameter: the move must not be recorded by autograd
+            new_value = old_value.to(device_key, non_blocking=non_blocking)
+        if dtype is not None and device_key.type == "meta" and not is_integer_dtype(old_value.dtype):
+            new_value = new_value.to(str_to_dtype(dtype))
+    elif isinstance(value, torch.Tensor):
+        if value.device == device_key:
+            new_value = value  # what `.to` would return, without its dispatch cost (paid per tensor per load)
         else:
-            new_value = torch.tensor(value, device=device)
-        if is_buffer:
-            module._buffers[name] = new_value
-        elif value is not None or not _same_device(module._parameters[name].device, device) or (
-                dtype is not None and new_value.dtype != old_value.dtype):
-            param_cls = type(module._parameters[name])
-            requires_grad = old_value.requires_grad and new_value.is_floating_point()
-            try:
-                new_param = param_cls(new_value, requires_grad=requires_grad)
-            except TypeError:  # parameter subclasses with extra required arguments
-                new_param = nn.Parameter(new_value, requires_grad=requires_grad)
-            module._parameters[name] = new_param
-            new_value = new_param
+            with torch.no_grad():
+                new_value = value.to(device_key, non_blocking=non_blocking)
+    else:
+        new_value = torch.tensor(value, device=device_key)
+    if is_buffer:
+        module._buffers[name] = new_value
+    elif value is not None or not _same_device(old_value.device, device_key) or (
+            dtype is not None and new_value.dtype != old_value.dtype):
+        param_cls = type(old_value)
+        requires_grad = old_value.requires_grad and new_value.is_floating_point()
+        try:
+            new_param = param_cls(new_value, requires_grad=requires_grad)
+        except TypeError:  # parameter subclasses with extra required arguments
+            new_param = nn.Parameter(new_value, requires_grad=requires_grad)
+        module._parameters[name] = new_param
+        new_value = new_param
     if tied_params_map is not None:
         for ptr in (old_value.data_ptr() if old_value is not None else 0,
                     value.data_ptr() if isinstance(value, torch.Tensor) else 0):
