@@ -21,6 +21,7 @@ from hasten.accelerator._tracking import TrackingMixin
 from hasten.config import env as hasten_env
 from hasten.connector import build_parts, resolve_settings
 from hasten.exceptions import ConfigurationError
+from hasten.ops.watchdog import tracked
 from hasten.precision import detach_autocast_forward
 from hasten.state import AcceleratorState, GradientState, add_before_destroy_hook
 from hasten.tracking import filter_trackers
@@ -249,7 +250,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         """
         if self._strategy.divides_loss_for_accumulation and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
-        self._strategy.backward(loss, **kwargs)
+        with tracked("backward (gradient all-reduce)"):  # seen by the hang watchdog (a no-op on one process)
+            self._strategy.backward(loss, **kwargs)
 
     def _do_sync(self) -> None:
         state = self.gradient_state
