@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean install bench bench-full
+.PHONY: demo test lint clean install system-deps bench bench-full
 
 install: $(STAMP)
 
@@ -17,6 +17,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-build-isolation deepspeed==0.19.8
 	touch $(STAMP)
+
+# OS packages some launch tests need (OpenMPI for mpirun; SLURM + munge for the 2-node cluster; iproute2
+# for the network-namespace machines). Best effort, root with apt-get only: the tests skip, naming what
+# is missing, where they cannot be installed. CI runs it before `make test` (.ci/run).
+SYSTEM_DEPS := mpirun:openmpi-bin slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge ip:iproute2
+system-deps:
+	@missing=""; for pair in $(SYSTEM_DEPS); do command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != "0" ] || ! command -v apt-get >/dev/null 2>&1; then echo "system-deps: not root with apt-get; missing:$$missing"; exit 0; fi; \
+	(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null 2>&1 \
+	  || echo "system-deps: could not install$$missing"
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/hasten launch --num_processes 2 examples/mnist_digits.py

@@ -135,3 +135,18 @@ def test_bad_input_exits_2_with_one_message(script, capsys, argv, message):
     code = main(["launch", *[a.format(script=script) for a in argv]])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_gpu_launches_turn_on_nccls_flight_recorder_unless_set(script):
+    config = LaunchConfig(num_processes=2, distributed_type="MULTI_GPU")
+    plan = build_plan(config, LaunchOptions(script=script), {}, device_count=2)
+    assert plan.env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and plan.env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    mine = build_plan(config, LaunchOptions(script=script), {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, device_count=2)
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in mine.env  # the user's own setting is inherited as it is
+    cpu = _plan(LaunchConfig(use_cpu=True, num_processes=2), script)
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in cpu.env
+
+
+def test_collective_timeout_reaches_the_workers(script):
+    plan = _plan(LaunchConfig(use_cpu=True, num_processes=2), script, collective_timeout=2.5)
+    assert plan.env["HASTEN_COLLECTIVE_TIMEOUT"] == "2.5"

@@ -35,12 +35,16 @@ from hasten.environments import (
 )
 from hasten.ops.collectives import barrier
 from hasten.ops.debug import disable_debug_checks, enable_debug_checks
+from hasten.ops.watchdog import DEFAULT_BOUND, process_group_timeout, start_watchdog, stop_watchdog
 from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
 from hasten.utils.environment import is_env_set
 from hasten.utils.other import ThreadLocalSharedDict as ThreadLocalSharedDict
 from hasten.utils.split import split_inputs
 
-DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: How long a rank may wait in one collective before the watchdog reports every rank and stops the run.
+DEFAULT_TIMEOUT = DEFAULT_BOUND
+#: Debug mode names a rank missing from a collective within this time at most.
+DEBUG_MISSING_RANK_BOUND = timedelta(seconds=60)
 
 _STATE_ATTRIBUTES = (
     "device", "distributed_type", "num_processes", "process_index", "local_process_index", "backend", "debug",
@@ -102,7 +106,8 @@ class PartialState(_Borg):
 
     def _setup(self, environment: ClusterEnvironment, info: ProcessInfo, device_kind: Device, cpu: bool,
                kwargs: dict[str, Any]) -> None:
-        timeout = kwargs.pop("timeout", None) or DEFAULT_TIMEOUT
+        # The watchdog's bound; the process group's own timeout is a little longer (torch's error as backstop).
+        timeout = kwargs.pop("timeout", None) or hasten_env.collective_timeout() or DEFAULT_TIMEOUT
         backend = kwargs.pop("backend", None) or device_kind.dist_backend
         owns_group = False
         if dist.is_available() and dist.is_initialized():
@@ -116,7 +121,7 @@ class PartialState(_Borg):
             if device_kind.name != "cpu":
                 device_kind.setup(device_kind.torch_device(info.local_rank))
             process_group.start_group(backend=backend, rank=info.rank, world_size=info.world_size,
-                                      timeout=timeout, **kwargs)
+                                      timeout=process_group_timeout(timeout), **kwargs)
             rank, world, local_rank, owns_group = info.rank, info.world_size, info.local_rank, True
         else:
             rank, world, local_rank = 0, 1, 0
@@ -138,6 +143,9 @@ class PartialState(_Borg):
         self.debug = hasten_env.debug_mode()
         self.fork_launched = False
         self._owns_group = owns_group
+        if world > 1:
+            # In debug mode the monitored barrier names a missing rank first; the watchdog comes after it.
+            start_watchdog(timeout + (min(timeout, DEBUG_MISSING_RANK_BOUND) if self.debug else timedelta()))
         if owns_group:
             _install_exit_teardown()
 
@@ -165,8 +173,9 @@ class PartialState(_Borg):
         if not value:
             disable_debug_checks()
         elif self.num_processes > 1:
-            group = None if self.backend == "gloo" else dist.new_group(backend="gloo", timeout=self.timeout)
-            enable_debug_checks(group, self.timeout)
+            group = None if self.backend == "gloo" else dist.new_group(
+                backend="gloo", timeout=process_group_timeout(self.timeout))
+            enable_debug_checks(group, min(self.timeout, DEBUG_MISSING_RANK_BOUND))
 
     @property
     def use_distributed(self) -> bool:
@@ -311,6 +320,8 @@ class PartialState(_Borg):
         exit for groups it started."""
         if group is None and PartialState._shared_state.get("fork_launched", False):
             return
+        if group is None:
+            stop_watchdog()
         process_group.end_group(group=group)
         if group is None:
             disable_debug_checks()
@@ -526,6 +537,7 @@ def reset_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     process_group.forget_hooks()
+    stop_watchdog()
 
 
 def wait_for_everyone() -> None:
@@ -581,4 +593,5 @@ def _install_exit_teardown() -> None:
 
 def _teardown_at_exit() -> None:
     """Destroy the process group before the interpreter exits (the policy: ``process_group.end_group``)."""
+    stop_watchdog()
     process_group.end_group(quiet=True)

@@ -21,6 +21,7 @@ from hasten.accelerator._tracking import TrackingMixin
 from hasten.config import env as hasten_env
 from hasten.connector import build_parts, resolve_settings
 from hasten.exceptions import ConfigurationError
+from hasten.ops.watchdog import tracked
 from hasten.precision import detach_autocast_forward
 from hasten.state import AcceleratorState, GradientState
 from hasten.tracking import filter_trackers
@@ -256,8 +257,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         Example:
             >>> accelerator.backward(loss)
         """
-        self._strategy.backward(loss, sync=self.sync_gradients, accumulation_steps=self.gradient_accumulation_steps,
-                                **kwargs)
+        with tracked("backward (gradient all-reduce)"):  # seen by the hang watchdog (a no-op on one process)
+            self._strategy.backward(loss, sync=self.sync_gradients,
+                                    accumulation_steps=self.gradient_accumulation_steps, **kwargs)
 
     def _do_sync(self) -> None:
         state = self.gradient_state

@@ -107,13 +107,50 @@ def _torch_load(path: str) -> dict[str, torch.Tensor]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _damaged(path: str, exc: Exception) -> Exception:
+    from hasten.checkpointing import CheckpointError  # only on this error path
+
+    return CheckpointError(f"The weight file {path!r} is damaged or is not a safetensors file ({type(exc).__name__}: "
+                           f"{exc}). HINT: download or save that shard again.")
+
+
+def _check_safetensors_files(files: list[str]) -> None:
+    """Open every safetensors shard's header (no tensor data is read) so a damaged shard fails the load
+    before any weight is placed."""
+    for path in files:
+        if path.endswith(".safetensors"):
+            try:
+                with safe_open(path, framework="pt", device="cpu") as handle:
+                    handle.keys()
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError, or OSError
+                raise _damaged(path, exc) from exc
+
+
+def _safetensors_entries(path: str) -> Iterator[_Entry]:
+    def read(name: str) -> torch.Tensor:
+        try:
+            return handle.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001 - SafetensorError from a file damaged after its header
+            raise _damaged(path, exc) from exc
+
+    try:
+        handle_context = safe_open(path, framework="pt", device="cpu")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError (bad header, truncated file) or OSError
+        raise _damaged(path, exc) from exc
+    with handle_context as handle:
+        for name in handle.keys():
+            stored = _ST_TORCH.get(handle.get_slice(name).get_dtype())
+            yield _Entry(name, path, stored, read)
+
+
 def _shard_entries(path: str) -> Iterator[_Entry]:
-    """Yield the tensors of one shard; the file stays open (or mapped) only while iterating."""
+    """Yield the tensors of one shard; the file stays open (or mapped) only while iterating.
+
+    Raises:
+        CheckpointError: a safetensors shard is damaged (the message names the file).
+    """
     if path.endswith(".safetensors"):
-        with safe_open(path, framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                stored = _ST_TORCH.get(handle.get_slice(name).get_dtype())
-                yield _Entry(name, path, stored, handle.get_tensor)
+        yield from _safetensors_entries(path)
         return
     state_dict = _torch_load(path)
     if not isinstance(state_dict, Mapping):
@@ -243,6 +280,7 @@ def load_checkpoint_in_model(model: nn.Module, checkpoint: str | os.PathLike[str
     if offload_8bit_bnb:
         raise ValueError("offload_8bit_bnb=True needs bitsandbytes quantization, which hasten does not support.")
     files = resolve_checkpoint_files(checkpoint)
+    _check_safetensors_files(files)
     if device_map is not None:
         check_device_map(model, device_map)  # a module left out would silently stay empty
         _check_device_map_values(device_map, offload_folder)

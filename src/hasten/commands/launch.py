@@ -102,6 +102,9 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
     ("--num_cpu_threads_per_process", None, None, {"type": int}, "OMP_NUM_THREADS of each worker."),
     ("--rdzv_conf", None, None, {"default": ""}, "Extra rendezvous settings: key=value,key2=value2."),
     ("--max_restarts", None, None, {"type": int, "default": 0}, "Restart the worker group up to N times."),
+    ("--collective_timeout", None, None, {"type": float},
+     "Seconds a rank may wait in one collective before every rank reports what it was doing and the run stops "
+     "(default 300; InitProcessGroupKwargs(timeout=...) in the script takes precedence)."),
     ("--monitor_interval", None, None, {"type": float, "default": 0.1}, "Seconds between worker health checks."),
     ("--role", None, None, {"default": "default"}, "torchrun worker role."),
     ("-t", None, None, {"dest": "tee", "default": "0"}, "torchrun --tee."),
@@ -208,7 +211,8 @@ def options_from_args(args: argparse.Namespace) -> Any:
                          module=args.module, no_python=args.no_python,
                          num_cpu_threads_per_process=args.num_cpu_threads_per_process, rdzv_conf=args.rdzv_conf,
                          max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, role=args.role,
-                         tee=args.tee, log_dir=args.log_dir, use_mpi=args.use_mpi, quiet=args.quiet)
+                         tee=args.tee, log_dir=args.log_dir, use_mpi=args.use_mpi, quiet=args.quiet,
+                         collective_timeout=args.collective_timeout)
 
 
 def launch_command(args: argparse.Namespace) -> int:
@@ -224,6 +228,15 @@ def launch_command(args: argparse.Namespace) -> int:
         if args.aws_access_key_id or args.aws_secret_access_key:
             raise ConfigurationError("--aws_access_key_id/--aws_secret_access_key are for Amazon SageMaker launches, "
                                      "which hasten does not support. HINT: run `hasten launch` on the instances.")
+        if args.collective_timeout is not None and not args.collective_timeout > 0:
+            raise ConfigurationError(f"--collective_timeout={args.collective_timeout} must be a number of seconds "
+                                     "above 0.")
+        requested = getattr(args, "cfg__num_processes", None)
+        if requested is not None and requested < 1:
+            # -1 means "not set" only in configuration files (Accelerate writes it); typed, it is a mistake.
+            raise ConfigurationError(f"--num_processes={requested} must be at least 1 (the total number of "
+                                     "processes over all machines). HINT: leave it out for one process per GPU, or "
+                                     "one on CPU.")
         options = options_from_args(args)
         plan = build_plan(resolve_config(args, os.environ), options, os.environ)
     except (ConfigurationError, LaunchError) as exc:

@@ -2,7 +2,8 @@
 
 ``hasten launch`` passes a single variable, ``HASTEN_LAUNCH_CONFIG`` (JSON of the launch configuration),
 plus torchrun's standard variables. A few switches are also honoured on their own so that plain
-``python``/``torchrun`` users can set them: ``HASTEN_DEBUG_MODE`` and ``HASTEN_LOG_LEVEL``.
+``python``/``torchrun`` users can set them: ``HASTEN_DEBUG_MODE``, ``HASTEN_LOG_LEVEL`` and
+``HASTEN_COLLECTIVE_TIMEOUT`` (seconds; what ``hasten launch --collective_timeout`` sets).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 from hasten.utils.environment import str_to_bool
@@ -17,6 +19,7 @@ from hasten.utils.environment import str_to_bool
 LAUNCH_CONFIG_VAR = "HASTEN_LAUNCH_CONFIG"
 DEBUG_MODE_VAR = "HASTEN_DEBUG_MODE"
 LOG_LEVEL_VAR = "HASTEN_LOG_LEVEL"
+COLLECTIVE_TIMEOUT_VAR = "HASTEN_COLLECTIVE_TIMEOUT"
 
 
 def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -60,3 +63,17 @@ def log_level(env: Mapping[str, str] | None = None) -> str | None:
 def test_start_method(env: Mapping[str, str] | None = None) -> str:
     """How the test harness starts ranks: ``fork`` (default, fast) or ``spawn`` (``HASTEN_TEST_START_METHOD``)."""
     return _env(env).get("HASTEN_TEST_START_METHOD", "fork")
+
+
+def collective_timeout(env: Mapping[str, str] | None = None) -> timedelta | None:
+    """The hang bound set by ``hasten launch --collective_timeout`` (``HASTEN_COLLECTIVE_TIMEOUT``, seconds)."""
+    raw = _env(env).get(COLLECTIVE_TIMEOUT_VAR)
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_VAR}={raw!r} must be a number of seconds above 0.")
+    return timedelta(seconds=seconds)

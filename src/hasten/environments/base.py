@@ -91,7 +91,15 @@ def check_ranks(info: ProcessInfo, source: str) -> ProcessInfo:
 def export_torch_env(info: ProcessInfo) -> None:
     """Make MPI/SLURM ranks visible under torchrun's names (``RANK``, ...) for libraries that read them.
 
-    Existing values are kept.
+    Values already set (non-empty) are kept. Unless ``GLOO_SOCKET_IFNAME`` is set, gloo is pointed at the interface that
+    reaches the main process (loopback on one machine) instead of the one the host name resolves to.
     """
     for key, value in info.torch_env().items():
-        os.environ.setdefault(key, value)
+        if not os.environ.get(key):  # unset, or exported empty (`export MASTER_ADDR=$(...)` that found nothing)
+            os.environ[key] = value
+    if "GLOO_SOCKET_IFNAME" not in os.environ and info.world_size > 1:
+        from hasten.environments.network import gloo_interface_for
+
+        interface = gloo_interface_for(info.master_addr, single_machine=info.local_world_size == info.world_size)
+        if interface:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface

@@ -16,14 +16,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hasten.config.env import launch_config_to_env
+from hasten.config.env import COLLECTIVE_TIMEOUT_VAR, launch_config_to_env
 from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError
 
 DEFAULT_PORT = 29500
+#: A worker's exit status when hasten's hang watchdog stopped it (``hasten.ops.watchdog.HANG_EXIT_CODE``;
+#: repeated here so that planning a launch does not import torch).
+HANG_EXIT_CODE = 124
 # Engines whose hasten support is detected by the presence of their module (no import needed).
 _ENGINE_MODULES = {"FSDP": ("hasten.strategies.fsdp2", "FSDP2"),
                    "DEEPSPEED": ("hasten.config.plugins.deepspeed", "DeepSpeed")}
+# NCCL's flight recorder (torch's own): the last collectives of every rank, dumped to
+# /tmp/nccl_trace_rank_<rank> when a collective times out. Complements hasten's watchdog on GPUs.
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 _NOT_AVAILABLE = {"XLA": "TPU (XLA) launches", "MEGATRON_LM": "Megatron-LM launches"}
 
 
@@ -44,6 +50,7 @@ class LaunchOptions:
     log_dir: str | None = None
     use_mpi: bool = False
     quiet: bool = False
+    collective_timeout: float | None = None
 
 
 @dataclass
@@ -62,6 +69,8 @@ class LaunchPlan:
     rdzv_backend: str = "static"
     rdzv_conf: str = ""
     notes: list[str] = field(default_factory=list)
+    #: the local address the launcher and workers listen on (decided at launch: loopback on one machine)
+    bind_addr: str = ""
 
     @property
     def num_processes(self) -> int:
@@ -291,6 +300,10 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     port = choose_port(config, notes) if launcher in ("torchrun", "mpirun") else (config.main_process_port or 0)
     config = dataclasses.replace(config, main_process_ip=addr, main_process_port=port or None)
     variables = worker_env(config, default_threads(config, nproc, options.num_cpu_threads_per_process, env))
+    if options.collective_timeout is not None:
+        variables[COLLECTIVE_TIMEOUT_VAR] = f"{options.collective_timeout:g}"
+    if config.distributed_type in ("MULTI_GPU", "FSDP", "DEEPSPEED") and not config.use_cpu:
+        variables.update({k: v for k, v in NCCL_FLIGHT_RECORDER.items() if k not in env})
     backend = config.rdzv_backend
     if launcher == "torchrun" and options.max_restarts > 0 and backend == "static":
         # torch's static rendezvous reuses the store keys of the previous round, so restarted workers can

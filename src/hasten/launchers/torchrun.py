@@ -7,12 +7,14 @@ The agent starts ``nproc_per_node`` workers, gives them torchrun's variables (``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
 from typing import Any
 
-from hasten.launchers.plan import WORKER_MODULE, LaunchOptions, LaunchPlan
+from hasten.exceptions import LaunchError
+from hasten.launchers.plan import HANG_EXIT_CODE, WORKER_MODULE, LaunchOptions, LaunchPlan
 from hasten.utils.environment import patch_environment
 
 
@@ -33,6 +35,8 @@ def torchrun_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
         argv += ["--rdzv_conf", plan.rdzv_conf]
     if plan.rdzv_backend != "static":
         argv += ["--rdzv_id", "hasten"]
+    if plan.bind_addr:
+        argv += ["--local_addr", plan.bind_addr]
     if options.log_dir:
         argv += ["--log_dir", options.log_dir]
     if options.no_python:
@@ -51,19 +55,34 @@ def _added_environment(extra: Mapping[str, str]) -> Any:
 
 def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
     """Run the plan under the elastic agent; return the exit code (the failed worker's, if any)."""
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
+    from hasten.launchers.network import bind_address, interface_of, store_server
+
+    try:
+        plan.bind_addr = plan.bind_addr or bind_address(plan.master_addr, plan.nnodes)
+    except LaunchError as exc:
+        print(f"hasten launch: error: {exc}", file=sys.stderr)
+        return 2
     args = get_args_parser().parse_args(torchrun_argv(plan, options))
     agent_env = dict(plan.env)
-    if options.max_restarts > 0 and plan.rdzv_backend == "c10d":
-        # Workers of a restarted round would otherwise share the agent's store with the dead round's keys
-        # and may read a dead peer's address; a fresh store per round avoids that.
+    if plan.rdzv_backend == "c10d":
+        # Not the agent's shared store (torch binds it on every interface, on a port hasten cannot choose):
+        # worker rank 0 hosts the process group's store, bound by hasten's worker bootstrap. It also
+        # gives each restarted round a fresh store, without the dead round's keys (a dead peer's address).
         agent_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    with _added_environment(agent_env):
+    interface = interface_of(plan.bind_addr)
+    if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        agent_env["GLOO_SOCKET_IFNAME"] = interface  # gloo listens where the store does, not on every interface
+    hosts_store = plan.node_rank == 0 if plan.rdzv_backend == "static" else (plan.nnodes == 1 or plan.node_rank == 0)
+    with _added_environment(agent_env), contextlib.ExitStack() as stack:
         try:
+            if hosts_store:
+                stack.enter_context(store_server(plan.bind_addr, plan.master_port))
             run(args)
         except ChildFailedError as exc:
             return _report_failure(exc, options.quiet)
@@ -71,12 +90,15 @@ def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
             print(f"hasten launch: stopped by signal {exc.sigval.name}; all workers were terminated.",
                   file=sys.stderr)
             return 128 + int(exc.sigval)
-        except RendezvousError as exc:
+        except (RendezvousError, DistStoreError, DistNetworkError) as exc:  # static rendezvous: its store timed out
             print(f"hasten launch: the machines could not meet at {plan.master_addr}:{plan.master_port} "
                   f"({type(exc).__name__}: {exc}). HINT: check --main_process_ip/--main_process_port, that every "
                   "machine uses the same values and --num_machines, and that the port is reachable.",
                   file=sys.stderr)
             return 1
+        except LaunchError as exc:
+            print(f"hasten launch: error: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 
@@ -87,6 +109,8 @@ def _report_failure(exc: Exception, quiet: bool) -> int:
     for rank in sorted(failures):
         code = failures[rank].exitcode
         described.append(f"rank {rank} " + (f"exited with code {code}" if code >= 0 else f"killed by signal {-code}"))
+    if any(failure.exitcode == HANG_EXIT_CODE for failure in failures.values()):
+        described.append(f"code {HANG_EXIT_CODE}: stopped by hasten's hang watchdog, whose report is above")
     print(f"hasten launch: {len(failures)} worker(s) failed ({'; '.join(described)}); the other workers were "
           "stopped. The tracebacks are printed above (the root cause is usually the one that is not "
           "'Connection closed by peer').", file=sys.stderr)

@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         print("usage: python -m hasten.launchers.worker [--module] TARGET [ARGS...]", file=sys.stderr)
         os._exit(2)
+    from hasten.launchers.network import bind_worker_store
+
+    store = bind_worker_store(os.environ)  # noqa: F841 - kept alive while the script runs
     code = run_target(argv[0], argv[1:], as_module)
     atexit._run_exitfuncs()  # trackers, hasten's teardown, logging.shutdown: everything exit would run
     sys.stdout.flush()

@@ -8,6 +8,7 @@ all ranks exchange the operation's name and tensor shapes; any difference raises
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -38,12 +39,19 @@ _HASTEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
+@functools.lru_cache(maxsize=4096)
+def _user_file(filename: str) -> str | None:
+    """The absolute path of ``filename`` if it is user code (not hasten, torch or contextlib), else None."""
+    path = os.path.abspath(filename)
+    return None if path.startswith((_HASTEN_DIR, _TORCH_DIR)) or "contextlib" in path else path
+
+
 def call_site() -> str:
     """``file:line in function`` of the first frame outside hasten and torch: the user's code."""
     frame: Any = sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith((_HASTEN_DIR, _TORCH_DIR)) and "contextlib" not in filename:
+        filename = _user_file(frame.f_code.co_filename)
+        if filename is not None:
             return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "<unknown>"
@@ -79,6 +87,11 @@ def describe(data: Any) -> Any:
     if isinstance(data, dict):
         return {k: describe(v) for k, v in data.items()}
     return type(data).__name__
+
+
+def format_description(desc: Any) -> str:
+    """Readable text for a :func:`describe` result, e.g. ``shape (2, 3) float32``."""
+    return _format(desc)
 
 
 def _format(desc: Any) -> str:
