@@ -32,7 +32,7 @@ system-deps:
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/hasten launch --num_processes 2 examples/mnist_digits.py
 
-test: $(STAMP)
+test: system-deps $(STAMP)
 	mkdir -p .tmp
 	TMPDIR=$(CURDIR)/.tmp OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(PY) -m pytest --basetemp=$(CURDIR)/.tmp/pytest $(PYTEST_ARGS)
 
