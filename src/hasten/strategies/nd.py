@@ -76,10 +76,6 @@ class NDParallelStrategy(FSDP2Strategy):
             self._mesh = mesh[("dp_replicate", shard)] if self.config.dp_replicate_enabled else mesh[shard]
         return self._mesh
 
-    def data_parallel_rank(self, process_index: int) -> int:
-        """Which batch this process reads: ranks of one TP/CP group (neighbours on the mesh) share it."""
-        return process_index // self.config.non_data_parallel_size
-
     # ------------------------------------------------------------------------------ tensor parallel
     def _before_fully_shard(self, model: nn.Module) -> None:
         if not self.config.tp_enabled:
