@@ -22,6 +22,11 @@ _ND_ISSUE = ("hasten runs one data-parallel dimension today (DDP or FSDP2 over a
              "sequence parallelism and 2-D (replicate x shard) meshes are tracked in hasten's N-D parallelism issue")
 
 
+def _sized(size: int | None) -> int:
+    """A dimension's size: ``None`` means unused, i.e. 1 (``__post_init__`` has already replaced it)."""
+    return 1 if size is None else size
+
+
 @dataclass
 class ParallelismConfig:
     """Sizes of the parallel dimensions (``-1``/``None`` = not used; 1 = trivially used).
@@ -60,44 +65,44 @@ class ParallelismConfig:
         for name in ("tp_size", "cp_size", "sp_size"):
             if getattr(self, name) > 1:
                 raise ConfigurationError(f"ParallelismConfig({name}={getattr(self, name)}) is not supported: {_ND_ISSUE}.")
-        if self.dp_replicate_size > 1 and self.dp_shard_size > 1:
+        if _sized(self.dp_replicate_size) > 1 and _sized(self.dp_shard_size) > 1:
             raise ConfigurationError(f"ParallelismConfig(dp_replicate_size={self.dp_replicate_size}, dp_shard_size="
                                      f"{self.dp_shard_size}) is a 2-D (HSDP) mesh, not supported: {_ND_ISSUE}.")
 
     @property
     def total_size(self) -> int:
         """Processes the mesh spans."""
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size * self.sp_size
+        return self.data_parallel_size * self.non_data_parallel_size
 
     @property
     def non_data_parallel_size(self) -> int:
         """Product of the non-data-parallel dimensions (1 in hasten today)."""
-        return self.tp_size * self.cp_size * self.sp_size
+        return _sized(self.tp_size) * _sized(self.cp_size) * _sized(self.sp_size)
 
     @property
     def data_parallel_size(self) -> int:
         """Product of the data-parallel dimensions."""
-        return self.dp_replicate_size * self.dp_shard_size
+        return _sized(self.dp_replicate_size) * _sized(self.dp_shard_size)
 
     @property
     def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate_size > 1
+        return _sized(self.dp_replicate_size) > 1
 
     @property
     def dp_shard_enabled(self) -> bool:
-        return self.dp_shard_size > 1
+        return _sized(self.dp_shard_size) > 1
 
     @property
     def tp_enabled(self) -> bool:
-        return self.tp_size > 1
+        return _sized(self.tp_size) > 1
 
     @property
     def cp_enabled(self) -> bool:
-        return self.cp_size > 1
+        return _sized(self.cp_size) > 1
 
     @property
     def sp_enabled(self) -> bool:
-        return self.sp_size > 1
+        return _sized(self.sp_size) > 1
 
     @property
     def active_mesh_dims(self) -> list[str]:
@@ -126,7 +131,7 @@ class ParallelismConfig:
 
     def _dims(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         names = self.active_mesh_dims or ["dp_shard"]
-        sizes = {"dp_replicate": self.dp_replicate_size, "dp_shard": self.dp_shard_size}
+        sizes = {"dp_replicate": _sized(self.dp_replicate_size), "dp_shard": _sized(self.dp_shard_size)}
         return tuple(sizes.get(n, 1) for n in names), tuple(names)
 
     def build_device_mesh(self, device_type: str) -> Any:
