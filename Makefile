@@ -32,12 +32,15 @@ system-deps:
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/hasten launch --num_processes 2 examples/mnist_digits.py
 
+# mypy (configured in pyproject.toml) checks src/ first: a type error fails the run before the tests start.
 test: system-deps $(STAMP)
+	$(PY) -m mypy
 	mkdir -p .tmp
 	TMPDIR=$(CURDIR)/.tmp OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=lo $(PY) -m pytest --basetemp=$(CURDIR)/.tmp/pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .tmp .mypy_cache

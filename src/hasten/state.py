@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
 from hasten.utils.environment import is_env_set
 from hasten.utils.other import ThreadLocalSharedDict as ThreadLocalSharedDict
 from hasten.utils.split import split_inputs
+
+if TYPE_CHECKING:
+    from hasten.strategies import Strategy
 
 #: How long a rank may wait in one collective before the watchdog reports every rank and stops the run.
 DEFAULT_TIMEOUT = DEFAULT_BOUND
@@ -73,13 +76,101 @@ class _Borg:
         return (_attach, (type(self),))
 
 
-def _attach(cls: type) -> Any:
+def _attach(cls: type[_Borg]) -> _Borg:
     obj = cls.__new__(cls)
     obj.__dict__ = cls._shared_state
     return obj
 
 
-class PartialState(_Borg):
+class _ProcessQueries(_Borg):
+    """Rank queries and process control that ``PartialState`` and ``AcceleratorState`` (as in Accelerate) both
+    answer; ``AcceleratorState`` reads the four attributes below from its ``PartialState`` (``__getattr__``)."""
+
+    distributed_type: DistributedType
+    num_processes: int
+    process_index: int
+    local_process_index: int
+
+    @property
+    def use_distributed(self) -> bool:
+        """True when more than one process takes part."""
+        return self.distributed_type != DistributedType.NO and self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on the process with global rank 0."""
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """True on the first process of each machine."""
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """True on the process with the highest global rank."""
+        return self.process_index == self.num_processes - 1
+
+    # --------------------------------------------------------------------------------- process control
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this call (a no-op with one process)."""
+        barrier()
+
+    @contextmanager
+    def _goes_first(self, is_main: bool) -> Iterator[None]:
+        if not is_main:
+            self.wait_for_everyone()
+        yield
+        if is_main:
+            self.wait_for_everyone()
+
+    @contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """Run the block on the main process first, then on the others (e.g. to download or cache once)."""
+        with self._goes_first(self.is_main_process):
+            yield
+
+    @contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Like :meth:`main_process_first`, per machine."""
+        with self._goes_first(self.is_local_main_process):
+            yield
+
+    @contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Give each process its contiguous share of ``inputs`` (list, tuple, tensor or dict of those).
+
+        The first ``len % num_processes`` processes get one extra item. With ``apply_padding`` every share
+        has the same length, the short ones repeating their last item, so results can be gathered.
+
+        Example:
+            >>> with PartialState().split_between_processes(["a", "b", "c"]) as part:
+            ...     print(part)  # 2 processes: ['a', 'b'] on rank 0, ['c'] on rank 1
+
+        Raises:
+            TypeError: ``inputs`` is of another type.
+            ValueError: a dict whose values have different lengths.
+        """
+        yield split_inputs(inputs, self.num_processes, self.process_index, apply_padding)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Tear down the process group (idempotent; also after ``_reset_state()``). hasten also does this at
+        exit for groups it started."""
+        if group is None and PartialState._shared_state.get("fork_launched", False):
+            return
+        if group is None:
+            stop_watchdog()
+        process_group.end_group(group=group)
+        if group is None:
+            disable_debug_checks()
+
+
+class PartialState(_ProcessQueries):
     """Where this process sits and what it computes on; starts the process group when there are peers.
 
     Args:
@@ -178,26 +269,6 @@ class PartialState(_Borg):
             enable_debug_checks(group, min(self.timeout, DEBUG_MISSING_RANK_BOUND))
 
     @property
-    def use_distributed(self) -> bool:
-        """True when more than one process takes part."""
-        return self.distributed_type != DistributedType.NO and self.num_processes > 1
-
-    @property
-    def is_main_process(self) -> bool:
-        """True on the process with global rank 0."""
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        """True on the first process of each machine."""
-        return self.local_process_index == 0
-
-    @property
-    def is_last_process(self) -> bool:
-        """True on the process with the highest global rank."""
-        return self.process_index == self.num_processes - 1
-
-    @property
     def default_device(self) -> torch.device:
         """The device a process would use when nothing is forced."""
         return select_device().torch_device(0)
@@ -214,48 +285,6 @@ class PartialState(_Borg):
         return (f"Distributed environment: {self.distributed_type}{('  Backend: ' + self.backend) if self.backend else ''}\n"
                 f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
                 f"Local process index: {self.local_process_index}\nDevice: {self.device}\n")
-
-    # --------------------------------------------------------------------------------- process control
-    def wait_for_everyone(self) -> None:
-        """Block until every process reaches this call (a no-op with one process)."""
-        barrier()
-
-    @contextmanager
-    def _goes_first(self, is_main: bool) -> Iterator[None]:
-        if not is_main:
-            self.wait_for_everyone()
-        yield
-        if is_main:
-            self.wait_for_everyone()
-
-    @contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """Run the block on the main process first, then on the others (e.g. to download or cache once)."""
-        with self._goes_first(self.is_main_process):
-            yield
-
-    @contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        """Like :meth:`main_process_first`, per machine."""
-        with self._goes_first(self.is_local_main_process):
-            yield
-
-    @contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """Give each process its contiguous share of ``inputs`` (list, tuple, tensor or dict of those).
-
-        The first ``len % num_processes`` processes get one extra item. With ``apply_padding`` every share
-        has the same length, the short ones repeating their last item, so results can be gathered.
-
-        Example:
-            >>> with PartialState().split_between_processes(["a", "b", "c"]) as part:
-            ...     print(part)  # 2 processes: ['a', 'b'] on rank 0, ['c'] on rank 1
-
-        Raises:
-            TypeError: ``inputs`` is of another type.
-            ValueError: a dict whose values have different lengths.
-        """
-        yield split_inputs(inputs, self.num_processes, self.process_index, apply_padding)
 
     def _require_init(self) -> None:
         if not self.initialized:
@@ -306,25 +335,9 @@ class PartialState(_Borg):
         keep = self.local_process_index == local_process_index or not self.use_distributed
         return function if keep else _do_nothing
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the local main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
     def set_device(self) -> None:
         """Make this process's device current (``torch.cuda.set_device`` on GPUs)."""
         self.device_kind.setup(self.device)
-
-    def destroy_process_group(self, group: Any = None) -> None:
-        """Tear down the process group (idempotent; also after ``_reset_state()``). hasten also does this at
-        exit for groups it started."""
-        if group is None and PartialState._shared_state.get("fork_launched", False):
-            return
-        if group is None:
-            stop_watchdog()
-        process_group.end_group(group=group)
-        if group is None:
-            disable_debug_checks()
 
     @classmethod
     def _reset_state(cls) -> None:
@@ -332,7 +345,7 @@ class PartialState(_Borg):
         cls._shared_state.clear()
 
 
-class AcceleratorState(_Borg):
+class AcceleratorState(_ProcessQueries):
     """``PartialState`` plus what the ``Accelerator`` decided: precision, plugins.
 
     Only the ``Accelerator`` creates it (``_from_accelerator=True``); afterwards ``AcceleratorState()``
@@ -341,6 +354,7 @@ class AcceleratorState(_Borg):
 
     _shared_state: dict[str, Any] = {}
     _mixed_precision: str
+    _strategy: Strategy  # the Accelerator's, for the static ``trigger_sync_in_backward``
 
     def __init__(self, mixed_precision: str | None = None, cpu: bool = False, dynamo_plugin: Any = None,
                  deepspeed_plugin: Any = None, fsdp_plugin: Any = None, torch_tp_plugin: Any = None,
@@ -386,19 +400,6 @@ class AcceleratorState(_Borg):
 
     def __repr__(self) -> str:
         return repr(self._partial) + f"Mixed precision type: {self.mixed_precision}\n"
-
-    # What PartialState answers, as real members (Accelerate's AcceleratorState has them too).
-    destroy_process_group = PartialState.destroy_process_group
-    wait_for_everyone = PartialState.wait_for_everyone
-    print = PartialState.print
-    _goes_first = PartialState._goes_first
-    main_process_first = PartialState.main_process_first
-    local_main_process_first = PartialState.local_main_process_first
-    split_between_processes = PartialState.split_between_processes
-    is_main_process = PartialState.is_main_process
-    is_local_main_process = PartialState.is_local_main_process
-    is_last_process = PartialState.is_last_process
-    use_distributed = PartialState.use_distributed
 
     fork_launched = property(lambda self: bool(PartialState._shared_state.get("fork_launched", False)),
                              doc="Whether ``notebook_launcher``/``debug_launcher`` forked this process.")

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from hasten.accelerator._base import AcceleratorBase
 from hasten.utils.dataclasses import DistributedType
 from hasten.utils.refusals import LOMO, refusal
 
@@ -18,12 +19,8 @@ _MULTI_DEVICE = {DistributedType.MULTI_GPU, DistributedType.MULTI_NPU, Distribut
                  DistributedType.MULTI_HPU, DistributedType.MULTI_NEURON}
 
 
-class ParallelismMixin:
+class ParallelismMixin(AcceleratorBase):
     """Mesh ranks and parallelism switches (hasten: a one-dimensional data-parallel mesh)."""
-
-    state: Any
-    dataloader_config: Any
-    process_index: int
 
     @property
     def multi_device(self) -> bool:

@@ -410,7 +410,7 @@ class DataLoaderAdapter(_IndexSkipMixin, ResumableMixin, DataLoader):
         self.use_stateful_dataloader = False
         self._init_resume(0, 0)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub names its private iterator
         token, skip = self._start_pass()
         progress = self._progress
         iterator, data_skip = self._open_iterator(skip)

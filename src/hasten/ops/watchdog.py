@@ -133,7 +133,8 @@ class _Watchdog(threading.Thread):
         if current is not None:
             name, what, site, start = current
             return f"in {_described(name, what, site)}, for {now - start:.1f} s"
-        where = _user_line(sys._current_frames().get(self.main_ident))
+        frame = sys._current_frames().get(self.main_ident) if self.main_ident is not None else None
+        where = _user_line(frame)
         return (f"not in a hasten collective; running {where} ({now - _TRACKER.last_end:.1f} s since its last "
                 "collective ended)")
 
@@ -216,7 +217,8 @@ def start_watchdog(bound: timedelta) -> bool:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return False
     try:
-        store = dist.distributed_c10d._get_default_store().clone()
+        # torch's stub for Store lacks clone(), which every c10d store has (one clone per thread is the rule)
+        store = dist.distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - a store without clone(): the process group's timeout still bounds hangs
         return False
     watchdog = _Watchdog(store, dist.get_rank(), dist.get_world_size(), bound)

@@ -57,6 +57,8 @@ class RegressionModel(nn.Module):
     def forward(self, x: torch.Tensor | None = None) -> Any:
         if self.first_batch:
             self.first_batch = False
+        if x is None:  # None is Accelerate's default, but the model needs an input
+            raise TypeError("RegressionModel.forward needs the input tensor `x`")
         out = x * self.a + self.b
         return (out, out) if self.double_output else out
 

@@ -12,7 +12,7 @@ import platform
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -79,7 +79,7 @@ def clean_state_dict_for_safetensors(state_dict: dict[str, Any]) -> dict[str, An
 
     safetensors refuses shared tensors; the dropped names are re-tied when the model is loaded.
     """
-    seen: set[tuple[Any, int, int]] = set()
+    seen: set[tuple[torch.device, int, int | torch.SymInt]] = set()
     clean: dict[str, Any] = {}
     for name, value in state_dict.items():
         if isinstance(value, torch.Tensor):
@@ -104,7 +104,8 @@ def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True
         compiled, model = model, model._orig_mod
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or \
             type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine"):
-        model = model.module
+        # DDP, DataParallel and DeepSpeed's engines hold the wrapped model in `.module`
+        model = cast(nn.Module, model.module)
     if recursive:
         for name, child in list(model.named_children()):
             setattr(model, name, extract_model_from_parallel(child, keep_fp32_wrapper, keep_torch_compile, True))
@@ -174,7 +175,8 @@ def compile_regions(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
             if child is None:
                 new._modules[name] = None
             elif repeated:
-                new._modules[name] = torch.compile(child, **compile_kwargs)
+                # torch.compile returns an OptimizedModule (a Module) for a Module; its stub says "a callable"
+                new._modules[name] = cast(nn.Module, torch.compile(child, **compile_kwargs))
             else:
                 new._modules[name] = copy_with_compiled_blocks(child)
         return new
@@ -227,8 +229,9 @@ def check_tied_parameters_in_config(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None:
         return False
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
     tied_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and \
-        callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None
+        callable(get_output_embeddings) and get_output_embeddings() is not None
     tied_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False)) and \
         bool(getattr(config, "tie_encoder_decoder", False))
     tied_modules = any(hasattr(m, "_tie_weights") for m in model.modules())
