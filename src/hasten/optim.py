@@ -163,6 +163,9 @@ class AcceleratedScheduler:
         self.split_batches = split_batches
         self.step_with_optimizer = step_with_optimizer
         self.gradient_state = GradientState()
+        # Read once, on the first step: AcceleratorState's process attributes resolve through a slow
+        # __getattr__ chain (~9 us a read), and the count cannot change during a run.
+        self._num_processes: int | None = None
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule (see the class docstring for how many times)."""
@@ -178,7 +181,9 @@ class AcceleratedScheduler:
         if self.split_batches or not hasattr(self.scheduler, "get_last_lr") or _is_plateau(self.scheduler):
             self.scheduler.step(*args, **kwargs)
             return
-        for _ in range(AcceleratorState().num_processes):
+        if self._num_processes is None:
+            self._num_processes = int(AcceleratorState().num_processes)
+        for _ in range(self._num_processes):
             total = getattr(self.scheduler, "total_steps", None)
             if total is None or self.scheduler._step_count <= total:  # OneCycleLR raises past its end
                 self.scheduler.step(*args, **kwargs)
