@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from hasten.config.schema import LaunchConfig
 from hasten.utils.environment import str_to_bool
 
 LAUNCH_CONFIG_VAR = "HASTEN_LAUNCH_CONFIG"
@@ -39,6 +40,16 @@ def launch_config_dict(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{LAUNCH_CONFIG_VAR} must hold a JSON object, got {type(value).__name__}")
     return value
+
+
+def launch_config(env: Mapping[str, str] | None = None) -> LaunchConfig | None:
+    """The typed launch configuration passed by ``hasten launch`` (``None`` when not launched by it).
+
+    Raises:
+        ConfigurationError: the variable does not match the ``LaunchConfig`` schema.
+    """
+    data = launch_config_dict(env)
+    return LaunchConfig.from_launch_dict(data) if data else None
 
 
 def launch_config_to_env(config: Mapping[str, Any]) -> dict[str, str]:

@@ -144,6 +144,22 @@ class LaunchConfig:
         config.validate(source)
         return config
 
+    @classmethod
+    def from_launch_dict(cls, data: Mapping[str, Any], source: str = "HASTEN_LAUNCH_CONFIG") -> LaunchConfig:
+        """Parse what :meth:`to_launch_dict` wrote (the worker's ``HASTEN_LAUNCH_CONFIG``) back into a config.
+
+        ``None`` values mean "not set" and take the field's default; every other key is validated as a
+        file key would be, so a launch dict that does not match the schema fails loudly in the worker.
+
+        Example:
+            >>> cfg = LaunchConfig(num_processes=2, use_cpu=True)
+            >>> LaunchConfig.from_launch_dict(cfg.to_launch_dict()) == cfg
+            True
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigurationError(f"{source} must hold a mapping of keys to values, got {type(data).__name__}.")
+        return cls.from_dict({k: v for k, v in data.items() if v is not None}, source=source)
+
     def to_dict(self) -> dict[str, Any]:
         """The file form: like Accelerate, ``None`` values and empty blocks are left out.
 

@@ -96,11 +96,7 @@ class LaunchPlan:
 
 def worker_env(config: LaunchConfig, num_threads: int | None = None) -> dict[str, str]:
     """The variables every worker receives on top of the launcher's own (``HASTEN_LAUNCH_CONFIG``, ...)."""
-    data = config.to_launch_dict()
-    ds_steps = data["deepspeed_config"].get("gradient_accumulation_steps")
-    if config.distributed_type == "DEEPSPEED" and ds_steps is not None:
-        data["gradient_accumulation_steps"] = int(ds_steps)  # what the connector reads for accumulation
-    env = launch_config_to_env(data)
+    env = launch_config_to_env(config.to_launch_dict())
     if num_threads is not None:
         env["OMP_NUM_THREADS"] = str(num_threads)
     if config.gpu_ids not in (None, "all") and not config.use_cpu:

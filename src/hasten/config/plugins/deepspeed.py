@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError
 from hasten.utils.deepspeed import HfDeepSpeedConfig
 from hasten.utils.deepspeed_runtime import set_z3_leaf_modules_by_name, zero3_init_context
@@ -337,7 +338,7 @@ _LAUNCHER_KEYS = ("deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed
                   "deepspeed_multinode_launcher")
 
 
-def deepspeed_plugin_from_launch_config(launch: Mapping[str, Any]) -> DeepSpeedPlugin:
+def deepspeed_plugin_from_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> DeepSpeedPlugin:
     """Build the plugin from the launch configuration's ``deepspeed_config`` block (Accelerate's keys).
 
     Example:
@@ -348,7 +349,7 @@ def deepspeed_plugin_from_launch_config(launch: Mapping[str, Any]) -> DeepSpeedP
     Raises:
         ConfigurationError: unknown keys, or invalid values (see :class:`DeepSpeedPlugin`).
     """
-    block = dict(launch.get("deepspeed_config") or {})
+    block = dict((launch.deepspeed_config if isinstance(launch, LaunchConfig) else launch.get("deepspeed_config") or {}))
     known = {"deepspeed_config_file", "deepspeed_moe_layer_cls_names", *FIELD_TO_CONFIG, "zero3_init_flag", *_LAUNCHER_KEYS}
     unknown = sorted(set(block) - known)
     if unknown:

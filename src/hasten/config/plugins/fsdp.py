@@ -20,6 +20,7 @@ from hasten.config.plugins.fsdp_units import (
     build_wrap_policy,
     ignored_module_list,
 )
+from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError
 
 #: Auto-wrap policy names (Accelerate's ``FSDP_AUTO_WRAP_POLICY``).
@@ -290,7 +291,7 @@ def _prefixed(block: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fsdp_plugin_from_launch_config(launch: Mapping[str, Any]) -> FullyShardedDataParallelPlugin:
+def fsdp_plugin_from_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> FullyShardedDataParallelPlugin:
     """Build the plugin from the launch configuration's ``fsdp_config`` block (Accelerate's ``fsdp_*`` keys).
 
     A block without ``fsdp_version`` is FSDP2 unless it holds FSDP1-only keys (then it is an FSDP1
@@ -305,7 +306,7 @@ def fsdp_plugin_from_launch_config(launch: Mapping[str, Any]) -> FullyShardedDat
     Raises:
         ConfigurationError: unknown keys, FSDP1 configuration, invalid values.
     """
-    block = _prefixed(launch.get("fsdp_config") or {})
+    block = _prefixed((launch.fsdp_config if isinstance(launch, LaunchConfig) else launch.get("fsdp_config") or {}))
     version = block.get("fsdp_version")
     fsdp1_keys = [k for k in FSDP1_ONLY_KEYS if block.get(k) is not None]
     if str(version) == "1" or (version is None and fsdp1_keys):
