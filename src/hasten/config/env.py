@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from hasten.config.schema import LaunchConfig
-from hasten.utils.environment import str_to_bool
+from hasten.utils.environment import as_bool
 
 LAUNCH_CONFIG_VAR = "HASTEN_LAUNCH_CONFIG"
 DEBUG_MODE_VAR = "HASTEN_DEBUG_MODE"
@@ -62,7 +62,7 @@ def debug_mode(env: Mapping[str, str] | None = None) -> bool:
     env = _env(env)
     raw = env.get(DEBUG_MODE_VAR)
     if raw is not None:
-        return bool(str_to_bool(raw))
+        return as_bool(raw, DEBUG_MODE_VAR) if raw.strip() else False
     return bool(launch_config_dict(env).get("debug", False))
 
 
