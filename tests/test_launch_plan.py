@@ -66,11 +66,17 @@ def test_single_process_runs_the_script_directly(script):
     assert plan.launcher == "process" and plan.command == [sys.executable, script]
 
 
-def test_deepspeed_accumulation_reaches_the_connector_key(script):
+def test_deepspeed_accumulation_reaches_the_connector(script):
+    from hasten.config.env import launch_config
+    from hasten.connector import resolve_settings
+
     config = LaunchConfig(distributed_type="DEEPSPEED", num_processes=2,
                           deepspeed_config={"gradient_accumulation_steps": 4, "zero_stage": 2})
-    sent = json.loads(_plan(config, script).env["HASTEN_LAUNCH_CONFIG"])
-    assert sent["gradient_accumulation_steps"] == 4 and sent["deepspeed_config"]["zero_stage"] == 2
+    env = _plan(config, script).env
+    sent = launch_config(env)
+    # the worker gets the typed config back (the injected top-level key is gone: it would fail the schema)
+    assert isinstance(sent, LaunchConfig) and sent.deepspeed_config == config.deepspeed_config
+    assert resolve_settings({}, sent).gradient_accumulation_steps == 4
 
 
 def test_busy_port_is_replaced_on_one_machine_and_refused_on_the_main_of_many(script):

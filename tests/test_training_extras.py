@@ -124,8 +124,10 @@ def test_join_uneven_inputs_lets_the_short_rank_finish():
     ({"mixed_precision": "bf16"}, {}, ("bf16", 1, "NO")),
     ({}, {"mixed_precision": "fp16"}, ("fp16", 1, "NO")),
     ({"mixed_precision": "bf16"}, {"mixed_precision": "no"}, ("bf16", 1, "NO")),
-    ({}, {"gradient_accumulation_steps": 4}, ("no", 4, "NO")),
-    ({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 4}, ("no", 2, "NO")),
+    ({}, {"distributed_type": "DEEPSPEED", "deepspeed_config": {"gradient_accumulation_steps": 4}}, ("no", 4, "NO")),
+    ({"gradient_accumulation_steps": 2}, {"distributed_type": "DEEPSPEED",
+                                          "deepspeed_config": {"gradient_accumulation_steps": 4}}, ("no", 2, "NO")),
+    ({}, {"deepspeed_config": {"gradient_accumulation_steps": 4}}, ("no", 1, "NO")),  # not a DeepSpeed launch
     ({}, {"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, ("no", 1, "INDUCTOR")),
     ({"dynamo_backend": "eager"}, {}, ("no", 1, "EAGER")),
 ])

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError
 from hasten.precision import SUPPORTED, Precision, create_precision
 from hasten.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
@@ -41,9 +42,8 @@ class Settings:
     parallelism_config: Any = None
 
 
-def _precision(explicit: Any, launch: Mapping[str, Any]) -> str:
-    launched = launch.get("mixed_precision")
-    launched = str(launched).lower() if launched not in (None, "") else None
+def _precision(explicit: Any, launch: LaunchConfig) -> str:
+    launched = launch.mixed_precision  # validated by the schema: one of MIXED_PRECISIONS, "no" when not set
     if explicit is not None:
         value = str(getattr(explicit, "value", explicit)).lower()
         if launched not in (None, "no") and launched != value:
@@ -81,15 +81,29 @@ def _check_fp8_hardware() -> None:
         "HINT: use mixed_precision='bf16' (or 'fp16') here.")
 
 
-def _accumulation(steps: Any, plugin: Any, launch: Mapping[str, Any]) -> int:
+def _launched_accumulation(launch: LaunchConfig) -> int | None:
+    """Accumulation steps set at launch: Accelerate's launcher takes them from the ``deepspeed_config`` block."""
+    if launch.distributed_type != "DEEPSPEED":
+        return None
+    steps = launch.deepspeed_config.get("gradient_accumulation_steps")
+    if steps is None or isinstance(steps, bool) or not str(steps).strip().isdigit():
+        if steps is not None and str(steps).lower() != "auto":
+            raise ConfigurationError(f"deepspeed_config.gradient_accumulation_steps={steps!r} in the launch "
+                                     "configuration must be a positive integer (or 'auto').")
+        return None
+    return int(str(steps).strip())
+
+
+def _accumulation(steps: Any, plugin: Any, launch: LaunchConfig) -> int:
     if plugin is not None and steps != 1:
         raise ConfigurationError(
             f"Both gradient_accumulation_steps={steps!r} and gradient_accumulation_plugin={plugin!r} were given; "
             "pass only one (the plugin's num_steps, or the integer).")
+    launched = _launched_accumulation(launch)
     if plugin is not None:
-        value = plugin.num_steps if plugin.num_steps is not None else launch.get("gradient_accumulation_steps", 1)
-    elif steps == 1 and launch.get("gradient_accumulation_steps") not in (None, 1, "1"):
-        value = launch["gradient_accumulation_steps"]
+        value = plugin.num_steps if plugin.num_steps is not None else (launched or 1)
+    elif steps == 1 and launched is not None:
+        value = launched
     else:
         value = steps
     if isinstance(value, bool) or not isinstance(value, int) and not str(value).isdigit():
@@ -100,7 +114,7 @@ def _accumulation(steps: Any, plugin: Any, launch: Mapping[str, Any]) -> int:
     return value
 
 
-def _dynamo(backend: Any, plugin: Any, launch: Mapping[str, Any]) -> tuple[str, tuple[tuple[str, Any], ...]]:
+def _dynamo(backend: Any, plugin: Any, launch: LaunchConfig) -> tuple[str, tuple[tuple[str, Any], ...]]:
     if backend is not None and plugin is not None:
         raise ConfigurationError(f"Both dynamo_backend={backend!r} and dynamo_plugin={plugin!r} were given; "
                                  "pass only one.")
@@ -113,7 +127,7 @@ def _dynamo(backend: Any, plugin: Any, launch: Mapping[str, Any]) -> tuple[str, 
     elif backend is not None:
         name = str(getattr(backend, "value", backend))
     else:
-        config = launch.get("dynamo_config") or {}
+        config = launch.dynamo_config
         name = str(config.get("dynamo_backend", "no"))
         for key in ("mode", "fullgraph", "dynamic"):
             if config.get(f"dynamo_{key if key != 'fullgraph' else 'use_fullgraph'}") is not None:
@@ -124,8 +138,20 @@ def _dynamo(backend: Any, plugin: Any, launch: Mapping[str, Any]) -> tuple[str, 
     return upper, tuple(sorted(kwargs.items()))
 
 
-def resolve_settings(kwargs: Mapping[str, Any], launch: Mapping[str, Any]) -> Settings:
+def as_launch_config(launch: LaunchConfig | Mapping[str, Any] | None) -> LaunchConfig:
+    """The typed launch configuration: a mapping (``to_launch_dict`` form) is parsed and validated."""
+    if launch is None:
+        return LaunchConfig()
+    if isinstance(launch, LaunchConfig):
+        return launch
+    return LaunchConfig.from_launch_dict(launch, source="the launch configuration")
+
+
+def resolve_settings(kwargs: Mapping[str, Any], launch: LaunchConfig | Mapping[str, Any] | None) -> Settings:
     """Merge ``Accelerator(...)`` arguments with the launch configuration.
+
+    ``launch`` is the typed :class:`LaunchConfig` the worker received (``None`` when not launched by
+    ``hasten launch``); a plain mapping is parsed with :meth:`LaunchConfig.from_launch_dict`.
 
     Example:
         >>> resolve_settings({"mixed_precision": "bf16"}, {}).mixed_precision
@@ -134,6 +160,7 @@ def resolve_settings(kwargs: Mapping[str, Any], launch: Mapping[str, Any]) -> Se
     Raises:
         ConfigurationError: invalid values, or an argument that contradicts the launch configuration.
     """
+    launch = as_launch_config(launch)
     dynamo_backend, dynamo_kwargs = _dynamo(kwargs.get("dynamo_backend"), kwargs.get("dynamo_plugin"), launch)
     return Settings(
         mixed_precision=_precision(kwargs.get("mixed_precision"), launch),
@@ -141,14 +168,14 @@ def resolve_settings(kwargs: Mapping[str, Any], launch: Mapping[str, Any]) -> Se
                                                   kwargs.get("gradient_accumulation_plugin"), launch),
         dynamo_backend=dynamo_backend,
         dynamo_kwargs=dynamo_kwargs,
-        cpu=bool(kwargs.get("cpu")) or bool(launch.get("use_cpu", False)),
+        cpu=bool(kwargs.get("cpu")) or launch.use_cpu,
         fsdp_plugin=_fsdp_plugin(kwargs.get("fsdp_plugin"), launch),
         deepspeed_plugin=_deepspeed_plugin(kwargs.get("deepspeed_plugin"), launch),
         parallelism_config=_parallelism_config(kwargs.get("parallelism_config"), launch),
     )
 
 
-def _parallelism_config(explicit: Any, launch: Mapping[str, Any]) -> Any:
+def _parallelism_config(explicit: Any, launch: LaunchConfig) -> Any:
     from hasten.config.parallelism import ParallelismConfig, parallelism_config_from_launch
 
     if explicit is not None:
@@ -157,7 +184,7 @@ def _parallelism_config(explicit: Any, launch: Mapping[str, Any]) -> Any:
                                      f"{type(explicit).__module__}.{type(explicit).__name__}; build it with "
                                      "`from hasten import ParallelismConfig`.")
         return explicit
-    return parallelism_config_from_launch(launch)
+    return parallelism_config_from_launch({"parallelism_config": launch.parallelism_config})
 
 
 def uses_nd_strategy(config: Any) -> bool:
@@ -165,22 +192,22 @@ def uses_nd_strategy(config: Any) -> bool:
     return config is not None and (config.dp_shard_enabled or config.tp_enabled or config.cp_enabled)
 
 
-def _fsdp_plugin(explicit: Any, launch: Mapping[str, Any]) -> Any:
+def _fsdp_plugin(explicit: Any, launch: LaunchConfig) -> Any:
     if explicit is not None:
         return explicit
-    if str(launch.get("distributed_type", "")).upper() != "FSDP" and not launch.get("fsdp_config"):
+    if launch.distributed_type != "FSDP" and not launch.fsdp_config:
         return None
     from hasten.config.plugins.fsdp import fsdp_plugin_from_launch_config  # only when FSDP is asked for
 
     return fsdp_plugin_from_launch_config(launch)
 
 
-def _deepspeed_plugin(explicit: Any, launch: Mapping[str, Any]) -> Any:
+def _deepspeed_plugin(explicit: Any, launch: LaunchConfig) -> Any:
     if isinstance(explicit, dict):  # several named plugins: the first is active
         explicit = next(iter(explicit.values()), None)
     if explicit is not None:
         return explicit
-    if str(launch.get("distributed_type", "")).upper() != "DEEPSPEED":
+    if launch.distributed_type != "DEEPSPEED":
         return None
     from hasten.config.plugins.deepspeed import deepspeed_plugin_from_launch_config
 

@@ -115,7 +115,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         if mixed_precision is None and AcceleratorState._shared_state:
             # A second Accelerator in the process reuses the first one's precision, as in Accelerate.
             mixed_precision = AcceleratorState._shared_state.get("_mixed_precision")
-        launch = hasten_env.launch_config_dict()
+        launch = hasten_env.launch_config()  # typed LaunchConfig, None when not launched by `hasten launch`
         self._settings = resolve_settings(
             {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
              "gradient_accumulation_plugin": gradient_accumulation_plugin, "dynamo_backend": dynamo_backend,

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from hasten.config.schema import DEEPSPEED_KEYS, FSDP_KEYS
+
 DYNAMO_BACKENDS = ["no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser", "cudagraphs", "ofi",
                    "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once",
                    "torhchxla_trace_once", "tvm"]  # the last-but-one spelling is Accelerate's own typo, kept
@@ -44,7 +46,8 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
     ("--rdzv_backend", "rdzv_backend", None, {}, "Rendezvous backend: static (default) or c10d."),
     ("--same_network", "same_network", None, _STORE, "All machines are on one local network."),
     ("--gpu_ids", "gpu_ids", None, {}, "Comma-separated GPU ids to use on this machine, or 'all'."),
-    ("--enable_cpu_affinity", "enable_cpu_affinity", None, _STORE, "Pin workers to NUMA nodes (GPU only)."),
+    ("--enable_cpu_affinity", "enable_cpu_affinity", None, _STORE,
+     "Pin each local rank to its share of the cores (its GPU's NUMA node on GPU launches; Linux only)."),
     ("--main_training_function", "main_training_function", None, {}, "Training function name (TPU)."),
     ("--downcast_bf16", "downcast_bf16", None, _STORE, "TPU bf16 downcast (kept for compatibility)."),
     ("--debug", "debug", None, _STORE, "Check collectives across ranks (shapes) to turn hangs into errors."),
@@ -57,19 +60,11 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
     ("--dynamo_use_regional_compilation", "dynamo_use_regional_compilation", "dynamo_config", _STORE,
      "Compile repeated blocks once."),
     ("--mpirun_hostfile", "mpirun_hostfile", "mpirun_config", {}, "Wrap the run in mpirun with this hostfile."),
-    *((f"--{key}", key, "deepspeed_config", {}, f"DeepSpeed: {key}.") for key in (
-        "deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device",
-        "offload_optimizer_nvme_path", "offload_param_nvme_path", "gradient_accumulation_steps",
-        "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_hostfile",
-        "deepspeed_exclusion_filter", "deepspeed_inclusion_filter", "deepspeed_multinode_launcher",
-        "deepspeed_moe_layer_cls_names")),
-    ("--fsdp_version", "fsdp_version", "fsdp_config", {"choices": ["1", "2"]},
-     "FSDP version: 2 (FSDP2, fully_shard); 1 is refused with its FSDP2 equivalent."),
-    *((f"--{key}", key, "fsdp_config", {}, f"FSDP: {key}.") for key in (
-        "fsdp_activation_checkpointing_offload", "fsdp_offload_params", "fsdp_min_num_params", "fsdp_sharding_strategy",
-        "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
-        "fsdp_backward_prefetch", "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
-        "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_activation_checkpointing")),
+    # The fsdp_config / deepspeed_config flags come from the one table of block keys (hasten.config.schema).
+    *((f"--{key.name}", key.name, "deepspeed_config", {"choices": list(key.choices)} if key.choices else {},
+       key.help or f"DeepSpeed: {key.name}.") for key in DEEPSPEED_KEYS if key.flag),
+    *((f"--{key.name}", key.name, "fsdp_config", {"choices": list(key.choices)} if key.choices else {},
+       key.help or f"FSDP: {key.name}.") for key in FSDP_KEYS if key.flag),
     *((f"--fp8_{flag}", key, "fp8_config", kwargs, f"fp8 recipe: {key} (fp8 needs torchao and a GPU of compute "
        "capability 8.9 or newer).") for flag, key, kwargs in (
         ("backend", "backend", {"choices": ["ao", "te", "msamp"]}),

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from hasten.utils.environment import str_to_bool
+from hasten.config.schema import LaunchConfig
+from hasten.utils.environment import as_bool
 
 LAUNCH_CONFIG_VAR = "HASTEN_LAUNCH_CONFIG"
 DEBUG_MODE_VAR = "HASTEN_DEBUG_MODE"
@@ -41,6 +42,16 @@ def launch_config_dict(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return value
 
 
+def launch_config(env: Mapping[str, str] | None = None) -> LaunchConfig | None:
+    """The typed launch configuration passed by ``hasten launch`` (``None`` when not launched by it).
+
+    Raises:
+        ConfigurationError: the variable does not match the ``LaunchConfig`` schema.
+    """
+    data = launch_config_dict(env)
+    return LaunchConfig.from_launch_dict(data) if data else None
+
+
 def launch_config_to_env(config: Mapping[str, Any]) -> dict[str, str]:
     """Encode a launch configuration for a worker's environment."""
     return {LAUNCH_CONFIG_VAR: json.dumps(dict(config), sort_keys=True)}
@@ -51,7 +62,7 @@ def debug_mode(env: Mapping[str, str] | None = None) -> bool:
     env = _env(env)
     raw = env.get(DEBUG_MODE_VAR)
     if raw is not None:
-        return bool(str_to_bool(raw))
+        return as_bool(raw, DEBUG_MODE_VAR) if raw.strip() else False
     return bool(launch_config_dict(env).get("debug", False))
 
 

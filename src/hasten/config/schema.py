@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hasten.exceptions import ConfigurationError
-from hasten.utils.environment import str_to_bool
+from hasten.utils.environment import as_bool
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
                      "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON", "DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM")
@@ -23,20 +23,66 @@ MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 COMPUTE_ENVIRONMENTS = ("LOCAL_MACHINE", "AMAZON_SAGEMAKER")
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 
+
+@dataclass(frozen=True)
+class BlockKey:
+    """One key of a nested launch block (``fsdp_config``, ``deepspeed_config``): the single place it is listed.
+
+    The YAML loader accepts it, ``hasten launch --<name>`` sets it (when ``flag``), and the worker hands it
+    to the plugin keyword ``plugin_field``. ``plugin_field=None`` marks a key the launcher reads itself.
+    """
+
+    name: str
+    plugin_field: str | None
+    flag: bool = True
+    choices: tuple[str, ...] = ()
+    help: str = ""
+
+
+FSDP_KEYS: tuple[BlockKey, ...] = (
+    BlockKey("fsdp_version", "fsdp_version", choices=("1", "2"),
+             help="FSDP version: 2 (FSDP2, fully_shard); 1 is refused with its FSDP2 equivalent."),
+    BlockKey("fsdp_auto_wrap_policy", "auto_wrap_policy"),
+    BlockKey("fsdp_transformer_layer_cls_to_wrap", "transformer_cls_names_to_wrap"),
+    BlockKey("fsdp_min_num_params", "min_num_params"),
+    BlockKey("fsdp_backward_prefetch", "backward_prefetch"),
+    # Accelerate < 0.20 spelling of fsdp_backward_prefetch (files only, no flag).
+    BlockKey("fsdp_backward_prefetch_policy", "backward_prefetch", flag=False),
+    BlockKey("fsdp_forward_prefetch", "forward_prefetch"),
+    BlockKey("fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading"),
+    BlockKey("fsdp_offload_params", "cpu_offload"),
+    BlockKey("fsdp_reshard_after_forward", "reshard_after_forward"),
+    BlockKey("fsdp_sharding_strategy", "sharding_strategy"),
+    BlockKey("fsdp_state_dict_type", "state_dict_type"),
+    BlockKey("fsdp_sync_module_states", "sync_module_states"),
+    BlockKey("fsdp_use_orig_params", "use_orig_params"),
+    BlockKey("fsdp_activation_checkpointing", "activation_checkpointing"),
+    BlockKey("fsdp_activation_checkpointing_offload", "activation_checkpointing_offload"),
+    BlockKey("fsdp_ignored_modules", "ignored_modules", flag=False),
+)
+DEEPSPEED_KEYS: tuple[BlockKey, ...] = (
+    BlockKey("deepspeed_config_file", "hf_ds_config"),
+    # DeepSpeed's own multi-node launcher (pdsh, openmpi, ...): hasten runs torchrun's agent on each machine.
+    BlockKey("deepspeed_hostfile", None),
+    BlockKey("deepspeed_multinode_launcher", None),
+    BlockKey("deepspeed_inclusion_filter", None),
+    BlockKey("deepspeed_exclusion_filter", None),
+    BlockKey("deepspeed_moe_layer_cls_names", "transformer_moe_cls_names"),
+    BlockKey("gradient_accumulation_steps", "gradient_accumulation_steps"),
+    BlockKey("gradient_clipping", "gradient_clipping"),
+    BlockKey("zero_stage", "zero_stage"),
+    BlockKey("offload_optimizer_device", "offload_optimizer_device"),
+    BlockKey("offload_optimizer_nvme_path", "offload_optimizer_nvme_path"),
+    BlockKey("offload_param_device", "offload_param_device"),
+    BlockKey("offload_param_nvme_path", "offload_param_nvme_path"),
+    BlockKey("zero3_init_flag", "zero3_init_flag"),
+    BlockKey("zero3_save_16bit_model", "zero3_save_16bit_model"),
+)
+
 # Keys of the nested blocks, as Accelerate's questionnaire and launcher write them.
 BLOCK_KEYS: dict[str, tuple[str, ...]] = {
-    "fsdp_config": (
-        "fsdp_version", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
-        "fsdp_backward_prefetch", "fsdp_backward_prefetch_policy", "fsdp_forward_prefetch",
-        "fsdp_cpu_ram_efficient_loading", "fsdp_offload_params", "fsdp_reshard_after_forward",
-        "fsdp_sharding_strategy", "fsdp_state_dict_type", "fsdp_sync_module_states", "fsdp_use_orig_params",
-        "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload", "fsdp_ignored_modules"),
-    "deepspeed_config": (
-        "deepspeed_config_file", "deepspeed_hostfile", "deepspeed_multinode_launcher",
-        "deepspeed_inclusion_filter", "deepspeed_exclusion_filter", "deepspeed_moe_layer_cls_names",
-        "gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
-        "offload_optimizer_nvme_path", "offload_param_device", "offload_param_nvme_path", "zero3_init_flag",
-        "zero3_save_16bit_model"),
+    "fsdp_config": tuple(key.name for key in FSDP_KEYS),
+    "deepspeed_config": tuple(key.name for key in DEEPSPEED_KEYS),
     "dynamo_config": ("dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
                       "dynamo_use_regional_compilation"),
     # Accelerate writes both spellings: the questionnaire `amax_history_length`, the launcher and the recipe
@@ -144,6 +190,22 @@ class LaunchConfig:
         config.validate(source)
         return config
 
+    @classmethod
+    def from_launch_dict(cls, data: Mapping[str, Any], source: str = "HASTEN_LAUNCH_CONFIG") -> LaunchConfig:
+        """Parse what :meth:`to_launch_dict` wrote (the worker's ``HASTEN_LAUNCH_CONFIG``) back into a config.
+
+        ``None`` values mean "not set" and take the field's default; every other key is validated as a
+        file key would be, so a launch dict that does not match the schema fails loudly in the worker.
+
+        Example:
+            >>> cfg = LaunchConfig(num_processes=2, use_cpu=True)
+            >>> LaunchConfig.from_launch_dict(cfg.to_launch_dict()) == cfg
+            True
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigurationError(f"{source} must hold a mapping of keys to values, got {type(data).__name__}.")
+        return cls.from_dict({k: v for k, v in data.items() if v is not None}, source=source)
+
     def to_dict(self) -> dict[str, Any]:
         """The file form: like Accelerate, ``None`` values and empty blocks are left out.
 
@@ -211,7 +273,7 @@ def _upgrade_legacy(raw: dict[str, Any]) -> dict[str, Any]:
     # Accelerate < 0.15 wrote `fp16: true` and a top-level `dynamo_backend`; both are still accepted.
     if "fp16" in raw:
         fp16 = raw.pop("fp16")
-        raw.setdefault("mixed_precision", "fp16" if _truthy(fp16) else "no")
+        raw.setdefault("mixed_precision", "fp16" if as_bool(fp16, "fp16") else "no")
     if "dynamo_backend" in raw:
         backend = raw.pop("dynamo_backend")
         if str(backend).upper() != "NO":
@@ -223,17 +285,13 @@ def _upgrade_legacy(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def _truthy(value: Any) -> bool:
-    return bool(str_to_bool(value)) if isinstance(value, str) else bool(value)
-
-
 def _coerce(key: str, value: Any, meta: Mapping[str, Any], where: Any) -> Any:
     kind, choices = meta["kind"], meta["choices"]
     if value is None:
         return {} if kind == "block" else None
     try:
         if kind == "bool":
-            return _as_bool(value)
+            return as_bool(value, key)
         if kind == "int":
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
@@ -257,16 +315,6 @@ def _coerce(key: str, value: Any, meta: Mapping[str, Any], where: Any) -> Any:
         expected = {"bool": "true or false", "int": "an integer", "block": "a mapping of keys to values",
                     "choice": f"one of {list(choices)}"}.get(kind, "a string")
         raise ConfigurationError(f"{where(key)}: {key}={value!r} is not valid; expected {expected}.") from None
-
-
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        return bool(str_to_bool(value))
-    raise ValueError(value)
 
 
 def _check_block(name: str, block: Mapping[str, Any], source: str) -> None:

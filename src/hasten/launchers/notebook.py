@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hasten.config.env import launch_config_to_env
+from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError, LaunchError
 from hasten.utils.environment import patch_environment
 
@@ -149,8 +150,11 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
         num_processes = max(gpus, 1)
     if num_processes < 1:
         raise ConfigurationError(f"num_processes={num_processes} must be at least 1.")
-    config = {"mixed_precision": str(mixed_precision).lower(), "use_cpu": gpus == 0,
-              "distributed_type": "NO" if num_processes * num_nodes == 1 else ("MULTI_GPU" if gpus else "MULTI_CPU")}
+    # Validated by the schema the workers parse it back with (a bad mixed_precision fails here, once).
+    config = LaunchConfig.from_dict(
+        {"mixed_precision": str(mixed_precision).lower(), "use_cpu": gpus == 0,
+         "distributed_type": "NO" if num_processes * num_nodes == 1 else ("MULTI_GPU" if gpus else "MULTI_CPU")},
+        source="notebook_launcher").to_launch_dict()
     if num_processes == 1 and num_nodes == 1:
         print(f"Launching training on {'one GPU' if gpus else 'CPU'}.")
         with _added_environment(launch_config_to_env(config)):
@@ -158,14 +162,15 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
         return
     _refuse_unsafe_fork()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
+    from torch.distributed.launcher.api import elastic_launch
 
     port = _pick_port(use_port, master_addr, num_nodes == 1)
     rdzv_conf = dict(rdzv_conf or {})
     if rdzv_backend == "static":
         rdzv_conf["rank"] = node_rank
     endpoint = rdzv_endpoint or f"{master_addr}:{port}"
-    launch = LaunchConfig(min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=num_processes, run_id=rdzv_id,
+    launch = ElasticLaunchConfig(min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=num_processes, run_id=rdzv_id,
                           rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, rdzv_configs=rdzv_conf,
                           max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="fork",
                           log_line_prefix_template=log_line_prefix_template)

@@ -15,11 +15,13 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hasten.config.env import COLLECTIVE_TIMEOUT_VAR, launch_config_to_env
 from hasten.config.parallelism import parallelism_config_from_launch
 from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError
+from hasten.launchers.affinity import check_affinity_supported
 
 DEFAULT_PORT = 29500
 #: A worker's exit status when hasten's hang watchdog stopped it (``hasten.ops.watchdog.HANG_EXIT_CODE``;
@@ -100,11 +102,7 @@ class LaunchPlan:
 
 def worker_env(config: LaunchConfig, num_threads: int | None = None) -> dict[str, str]:
     """The variables every worker receives on top of the launcher's own (``HASTEN_LAUNCH_CONFIG``, ...)."""
-    data = config.to_launch_dict()
-    ds_steps = data["deepspeed_config"].get("gradient_accumulation_steps")
-    if config.distributed_type == "DEEPSPEED" and ds_steps is not None:
-        data["gradient_accumulation_steps"] = int(ds_steps)  # what the connector reads for accumulation
-    env = launch_config_to_env(data)
+    env = launch_config_to_env(config.to_launch_dict())
     if num_threads is not None:
         env["OMP_NUM_THREADS"] = str(num_threads)
     if config.gpu_ids not in (None, "all") and not config.use_cpu:
@@ -168,6 +166,31 @@ def refuse_unsupported_settings(config: LaunchConfig) -> None:
     if config.tpu_use_cluster or config.tpu_use_sudo or config.tpu_vm or config.tpu_env:
         raise ConfigurationError("TPU pod settings (--tpu_cluster, --tpu_use_sudo, --vm, --env): TPUs are not "
                                  "supported by hasten. HINT: run on CPUs or CUDA GPUs, or use Accelerate on TPUs.")
+    tpu_only = {key: getattr(config, key) for key in ("tpu_name", "tpu_zone", "command_file", "commands")
+                if getattr(config, key)}
+    if config.downcast_bf16:
+        tpu_only["downcast_bf16"] = True
+    if config.main_training_function != "main":
+        tpu_only["main_training_function"] = config.main_training_function
+    if tpu_only:
+        raise ConfigurationError(f"TPU-only settings {tpu_only}: they configure XLA/TPU launches, which hasten does "
+                                 "not run, so they would have no effect. HINT: remove them (or use Accelerate on "
+                                 "TPUs).")
+    _refuse_deepspeed_launcher(config.deepspeed_config)
+
+
+def _refuse_deepspeed_launcher(block: Mapping[str, Any]) -> None:
+    """DeepSpeed's own multi-node launcher (pdsh, openmpi, ...) is not used: refuse its settings."""
+    launcher = block.get("deepspeed_multinode_launcher")
+    launcher_keys = {key: block[key] for key in ("deepspeed_hostfile", "deepspeed_inclusion_filter",
+                                                  "deepspeed_exclusion_filter") if block.get(key) not in (None, "")}
+    if launcher not in (None, "", "standard"):
+        launcher_keys["deepspeed_multinode_launcher"] = launcher
+    if launcher_keys:
+        raise ConfigurationError(f"deepspeed_config {launcher_keys}: hasten starts DeepSpeed runs with torchrun's "
+                                 "agent, one `hasten launch` per machine (Accelerate's 'standard' launcher), so "
+                                 "DeepSpeed's own multi-node launcher settings would have no effect. HINT: remove "
+                                 "them and run `hasten launch --machine_rank R ...` on each machine.")
 
 
 def local_device_count(env: Mapping[str, str]) -> int:
@@ -295,9 +318,16 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
         launcher = "torchrun"
     else:
         launcher = "process"
-    if launcher in ("mpirun", "slurm-task"):
-        command = worker_command(options, bootstrap=True)
+    check_affinity_supported(config, options.no_python)
+    if launcher in ("mpirun", "slurm-task") or config.enable_cpu_affinity:
+        command = worker_command(options, bootstrap=True)  # the bootstrap also pins cores (affinity.py)
     notes: list[str] = []
+    if config.same_network and config.num_machines > 1:
+        notes.append("same_network only changes TPU pod launches in Accelerate; hasten's rendezvous is the same "
+                     "either way")
+    if config.fp8_config and config.mixed_precision != "fp8":
+        notes.append(f"fp8_config {sorted(config.fp8_config)} is used only with --mixed_precision fp8 (this run "
+                     f"uses {config.mixed_precision!r})")
     nproc = config.num_processes // config.num_machines  # type: ignore[operator]
     addr = config.main_process_ip or "127.0.0.1"
     port = choose_port(config, notes) if launcher in ("torchrun", "mpirun") else (config.main_process_port or 0)

@@ -79,7 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         print("usage: python -m hasten.launchers.worker [--module] TARGET [ARGS...]", file=sys.stderr)
         os._exit(2)
+    from hasten.config.env import launch_config
+    from hasten.launchers.affinity import pin_local_rank
     from hasten.launchers.network import bind_worker_store
+
+    config = launch_config(os.environ)
+    if config is not None:
+        pin_local_rank(config, os.environ)  # --enable_cpu_affinity: before the script starts any thread
 
     store = bind_worker_store(os.environ)  # noqa: F841 - kept alive while the script runs
     code = run_target(argv[0], argv[1:], as_module)

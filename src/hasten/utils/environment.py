@@ -29,6 +29,32 @@ def str_to_bool(value: str, to_bool: bool = False) -> int | bool:
     raise ValueError(f"invalid truth value {value!r}: use one of {sorted(_TRUE | _FALSE - {''})}")
 
 
+def as_bool(value: Any, name: str = "value", owner: str = "") -> bool:
+    """The one boolean parser for settings: ``True``/``False``, ``0``/``1``, or a truthy/falsy string.
+
+    Example:
+        >>> as_bool("Yes"), as_bool(0), as_bool(False)
+        (True, False, False)
+
+    Raises:
+        ConfigurationError: anything else (``2``, ``"maybe"``, ``None``), naming ``name`` (and the
+            class or function ``owner`` it was passed to).
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip():
+        try:
+            return bool(str_to_bool(value))
+        except ValueError:
+            pass
+    from hasten.exceptions import ConfigurationError
+
+    setting = f"{owner}({name}={value!r})" if owner else f"{name}={value!r}"
+    raise ConfigurationError(f"{setting} must be true or false (also accepted: 1/0, yes/no, on/off).")
+
+
 def parse_flag_from_env(key: str, default: bool = False) -> bool:
     """Read a boolean flag from the environment: ``parse_flag_from_env("HASTEN_DEBUG_MODE")``."""
     value = os.environ.get(key)

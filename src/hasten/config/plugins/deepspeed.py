@@ -15,9 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hasten.config.schema import DEEPSPEED_KEYS, LaunchConfig
 from hasten.exceptions import ConfigurationError
 from hasten.utils.deepspeed import HfDeepSpeedConfig
 from hasten.utils.deepspeed_runtime import set_z3_leaf_modules_by_name, zero3_init_context
+from hasten.utils.environment import as_bool
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -32,17 +34,10 @@ FIELD_TO_CONFIG = {
     "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
     "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
-_TRUE = {"1", "true", "yes", "y", "on", "t"}
-_FALSE = {"0", "false", "no", "n", "off", "f"}
 
 
 def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise ConfigurationError(f"DeepSpeedPlugin({name}={value!r}) must be true or false.")
+    return as_bool(value, name, owner="DeepSpeedPlugin")
 
 
 def _as_int_or_auto(name: str, value: Any, minimum: int) -> int | str:
@@ -333,11 +328,12 @@ def _same(a: Any, b: Any) -> bool:
 
 
 #: ``deepspeed_config`` block keys that select machines, which the single-launcher hasten ignores.
-_LAUNCHER_KEYS = ("deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter",
-                  "deepspeed_multinode_launcher")
+_NONE_MEANS_UNSET = ("hf_ds_config", "transformer_moe_cls_names")
+# Launch key -> plugin keyword, from the one table in hasten.config.schema (None: read by the launcher).
+_LAUNCH_FIELDS: dict[str, str | None] = {key.name: key.plugin_field for key in DEEPSPEED_KEYS}
 
 
-def deepspeed_plugin_from_launch_config(launch: Mapping[str, Any]) -> DeepSpeedPlugin:
+def deepspeed_plugin_from_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> DeepSpeedPlugin:
     """Build the plugin from the launch configuration's ``deepspeed_config`` block (Accelerate's keys).
 
     Example:
@@ -348,19 +344,19 @@ def deepspeed_plugin_from_launch_config(launch: Mapping[str, Any]) -> DeepSpeedP
     Raises:
         ConfigurationError: unknown keys, or invalid values (see :class:`DeepSpeedPlugin`).
     """
-    block = dict(launch.get("deepspeed_config") or {})
-    known = {"deepspeed_config_file", "deepspeed_moe_layer_cls_names", *FIELD_TO_CONFIG, "zero3_init_flag", *_LAUNCHER_KEYS}
-    unknown = sorted(set(block) - known)
+    block = dict(launch.deepspeed_config if isinstance(launch, LaunchConfig) else launch.get("deepspeed_config") or {})
+    unknown = sorted(set(block) - set(_LAUNCH_FIELDS))
     if unknown:
-        raise ConfigurationError(f"Unknown keys in the deepspeed_config block: {unknown}. Known keys: {sorted(known)}.")
-    config_file = block.pop("deepspeed_config_file", None)
-    kwargs: dict[str, Any] = {name: block.get(name) for name in (*FIELD_TO_CONFIG, "zero3_init_flag") if block.get(name) is not None}
-    if config_file not in (None, "", "none"):
-        # Accelerate ignores the other keys when a file is given; hasten only accepts those agreeing with it.
-        kwargs["hf_ds_config"] = config_file
-    moe = block.get("deepspeed_moe_layer_cls_names")
-    if moe not in (None, "", "none"):
-        kwargs["transformer_moe_cls_names"] = moe
+        raise ConfigurationError(f"Unknown keys in the deepspeed_config block: {unknown}. Known keys: "
+                                 f"{sorted(_LAUNCH_FIELDS)}.")
+    kwargs: dict[str, Any] = {}
+    for key, value in block.items():
+        target = _LAUNCH_FIELDS[key]
+        # "none" is how Accelerate's questionnaire writes "no file" / "no MoE layers".
+        if target is None or value is None or (target in _NONE_MEANS_UNSET and value in ("", "none")):
+            continue
+        # With a config file, Accelerate ignores the other keys; hasten accepts only those agreeing with it.
+        kwargs[target] = value
     return DeepSpeedPlugin(**kwargs)
 
 

@@ -20,7 +20,9 @@ from hasten.config.plugins.fsdp_units import (
     build_wrap_policy,
     ignored_module_list,
 )
+from hasten.config.schema import FSDP_KEYS, LaunchConfig
 from hasten.exceptions import ConfigurationError
+from hasten.utils.environment import as_bool
 
 #: Auto-wrap policy names (Accelerate's ``FSDP_AUTO_WRAP_POLICY``).
 AUTO_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
@@ -37,19 +39,10 @@ FSDP1_ONLY_KEYS = ("fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_for
 _CONVERT_HINT = ("HINT: hasten runs FSDP2 only; `hasten to-fsdp2 --config_file PATH` converts an FSDP1 config file "
                  "(sharding_strategy FULL_SHARD/HYBRID_SHARD -> reshard_after_forward=True, SHARD_GRAD_OP/NO_SHARD -> "
                  "False; backward_prefetch, forward_prefetch, sync_module_states and use_orig_params are dropped).")
-_TRUE = {"1", "true", "yes", "y", "on", "t"}
-_FALSE = {"0", "false", "no", "n", "off", "f"}
 
 
 def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    text = str(value).strip().lower()
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise ConfigurationError(f"FullyShardedDataParallelPlugin({name}={value!r}) must be true or false.")
+    return as_bool(value, name, owner="FullyShardedDataParallelPlugin")
 
 
 def _name_of(value: Any) -> str:
@@ -259,23 +252,8 @@ class FullyShardedDataParallelPlugin:
 
 
 # ------------------------------------------------------------------------------ launch configuration
-_LAUNCH_FIELDS = {
-    "fsdp_version": "fsdp_version",
-    "fsdp_reshard_after_forward": "reshard_after_forward",
-    "fsdp_auto_wrap_policy": "auto_wrap_policy",
-    "fsdp_transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap",
-    "fsdp_min_num_params": "min_num_params",
-    "fsdp_offload_params": "cpu_offload",
-    "fsdp_cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
-    "fsdp_state_dict_type": "state_dict_type",
-    "fsdp_activation_checkpointing": "activation_checkpointing",
-    "fsdp_ignored_modules": "ignored_modules",
-    "fsdp_sharding_strategy": "sharding_strategy",
-    "fsdp_backward_prefetch": "backward_prefetch",
-    "fsdp_forward_prefetch": "forward_prefetch",
-    "fsdp_sync_module_states": "sync_module_states",
-    "fsdp_use_orig_params": "use_orig_params",
-}
+# Launch key -> plugin keyword, from the one table in hasten.config.schema.
+_LAUNCH_FIELDS: dict[str, str] = {key.name: key.plugin_field for key in FSDP_KEYS if key.plugin_field is not None}
 
 
 def _prefixed(block: Mapping[str, Any]) -> dict[str, Any]:
@@ -286,11 +264,13 @@ def _prefixed(block: Mapping[str, Any]) -> dict[str, Any]:
         if full not in _LAUNCH_FIELDS:
             raise ConfigurationError(f"Unknown key {key!r} in the fsdp_config block; valid keys: "
                                      f"{sorted(_LAUNCH_FIELDS)}.")
+        if full == "fsdp_backward_prefetch_policy":  # Accelerate < 0.20 spelling
+            full = "fsdp_backward_prefetch"
         out[full] = value
     return out
 
 
-def fsdp_plugin_from_launch_config(launch: Mapping[str, Any]) -> FullyShardedDataParallelPlugin:
+def fsdp_plugin_from_launch_config(launch: LaunchConfig | Mapping[str, Any]) -> FullyShardedDataParallelPlugin:
     """Build the plugin from the launch configuration's ``fsdp_config`` block (Accelerate's ``fsdp_*`` keys).
 
     A block without ``fsdp_version`` is FSDP2 unless it holds FSDP1-only keys (then it is an FSDP1
@@ -305,7 +285,7 @@ def fsdp_plugin_from_launch_config(launch: Mapping[str, Any]) -> FullyShardedDat
     Raises:
         ConfigurationError: unknown keys, FSDP1 configuration, invalid values.
     """
-    block = _prefixed(launch.get("fsdp_config") or {})
+    block = _prefixed(launch.fsdp_config if isinstance(launch, LaunchConfig) else launch.get("fsdp_config") or {})
     version = block.get("fsdp_version")
     fsdp1_keys = [k for k in FSDP1_ONLY_KEYS if block.get(k) is not None]
     if str(version) == "1" or (version is None and fsdp1_keys):
