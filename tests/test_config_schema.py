@@ -158,3 +158,13 @@ def test_launcher_only_deepspeed_keys_are_refused(script: str) -> None:
         build_plan(config, LaunchOptions(script=script), {}, device_count=0)
     standard = LaunchConfig(distributed_type="DEEPSPEED", deepspeed_config={"deepspeed_multinode_launcher": "standard"})
     assert build_plan(standard, LaunchOptions(script=script), {}, device_count=0).config.deepspeed_config
+
+
+def test_use_parallelism_config_without_sizes_gives_a_default_config():
+    from hasten.config.parallelism import ParallelismConfig
+    from hasten.connector import resolve_settings
+
+    settings = resolve_settings({}, LaunchConfig(use_parallelism_config=True))
+    assert isinstance(settings.parallelism_config, ParallelismConfig)
+    assert settings.parallelism_config.total_size == 1
+    assert resolve_settings({}, LaunchConfig()).parallelism_config is None

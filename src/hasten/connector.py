@@ -184,7 +184,11 @@ def _parallelism_config(explicit: Any, launch: LaunchConfig) -> Any:
                                      f"{type(explicit).__module__}.{type(explicit).__name__}; build it with "
                                      "`from hasten import ParallelismConfig`.")
         return explicit
-    return parallelism_config_from_launch({"parallelism_config": launch.parallelism_config})
+    config = parallelism_config_from_launch({"parallelism_config": launch.parallelism_config})
+    if config is None and launch.use_parallelism_config:
+        # `--use_parallelism_config` with no sizes: Accelerate builds a default config (plain data parallel).
+        config = ParallelismConfig()
+    return config
 
 
 def uses_nd_strategy(config: Any) -> bool:
