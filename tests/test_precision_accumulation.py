@@ -157,3 +157,50 @@ def test_sync_pattern_without_loader():
         with accelerator.accumulate(model):
             syncs.append(accelerator.sync_gradients)
     assert [i for i, s in enumerate(syncs, 1) if s] == [4, 8]
+
+
+def test_accumulate_as_a_decorator_advances_on_every_call():
+    """``accumulate`` returned a contextlib generator context, usable as a decorator: that still holds."""
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model = accelerator.prepare(nn.Linear(1, 1))
+    syncs = []
+
+    @accelerator.accumulate(model)
+    def micro_step():
+        syncs.append(accelerator.sync_gradients)
+
+    for _ in range(4):
+        micro_step()
+    assert syncs == [False, True, False, True]
+
+
+def test_accumulate_unwinds_entered_contexts_when_one_fails_to_enter():
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    events = []
+
+    class Recording:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def __enter__(self):
+            if self.fail:
+                raise RuntimeError("cannot enter")
+            events.append(f"enter {self.name}")
+
+        def __exit__(self, *exc):
+            events.append(f"exit {self.name}")
+
+    first, second = nn.Linear(1, 1), nn.Linear(1, 1)
+    contexts = {id(first): Recording("first"), id(second): Recording("second", fail=True)}
+    accelerator._strategy.no_sync = lambda model: contexts[id(model)]  # a strategy whose no_sync really acts
+    with pytest.raises(RuntimeError, match="cannot enter"):
+        with accelerator.accumulate(first, second):
+            pass
+    assert events == ["enter first", "exit first"]
+    contexts[id(second)].fail = False
+    events.clear()
+    with accelerator.accumulate(first, second):  # step 2 of 2 synchronises: nothing entered
+        pass
+    with accelerator.accumulate(first, second):
+        events.append("body")
+    assert events == ["enter first", "enter second", "body", "exit second", "exit first"]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from hasten import PartialState
 from hasten.config.env import collective_timeout
@@ -119,3 +120,16 @@ def test_a_rank_skipping_a_step_is_named_while_the_other_waits_in_backward(tmp_p
         "        threading.Event().wait(120)  # SKIP-LINE: this rank never runs the third step") + 1
     assert f"  rank 0: in `backward (gradient all-reduce)` with no tensors at {script}:" in out, out
     assert f"  rank 1: not in a hasten collective; running {script}:{skip_line} in <module>" in out, out
+
+
+def test_tracker_reports_the_user_line_that_entered_the_collective():
+    from hasten.ops import watchdog
+
+    tracker = watchdog._Tracker()
+    line = sys._getframe().f_lineno + 1
+    tracker.enter("gather", torch.ones(3))
+    name, what, site, _ = tracker.current
+    expected = f"`gather` with shape (3,) float32 at {os.path.abspath(__file__)}:{line} in {sys._getframe().f_code.co_name}"
+    assert watchdog._described(name, what, site) == expected
+    tracker.exit()
+    assert tracker.current is None and [entry[0] for entry in tracker.recent] == ["gather"]

@@ -53,6 +53,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             precision.setup_optimizer(optimizer)
             strategy = SingleDeviceStrategy(torch.device("cpu"), precision, DistributedType.NO)
         self._strategy = strategy
+        # The strategy adds nothing to optimizer.step()/zero_grad(): call them here (fewer frames per step).
+        self._direct = strategy.direct_optimizer_step()
         self.gradient_state = GradientState()
         self.device_placement = device_placement
         self._is_overflow = False
@@ -105,7 +107,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
         """Clear gradients, only on synchronising steps (accumulated gradients survive otherwise)."""
         if self.gradient_state.sync_gradients:
-            self._strategy.zero_grad(self.optimizer, set_to_none)
+            if not self._direct:
+                self._strategy.zero_grad(self.optimizer, set_to_none)
+            elif set_to_none is None:
+                self.optimizer.zero_grad()
+            else:
+                self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Apply the update on synchronising steps; with fp16, skip it when gradients overflowed.
@@ -115,6 +122,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self.gradient_state.sync_gradients:
             return None
         if closure is None:
+            if self._direct:  # never skipped: no loss scaler
+                self.optimizer.step()
+                return None
             self._is_overflow = not self._strategy.optimizer_step(self.optimizer)
             return None
         losses: list[Any] = []
@@ -142,6 +152,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_direct", False)  # pickled before the direct path existed: the general one
         self.gradient_state = GradientState()
 
 
@@ -166,6 +177,11 @@ class AcceleratedScheduler:
         # Read once, on the first step: AcceleratorState's process attributes resolve through a slow
         # __getattr__ chain (~9 us a read), and the count cannot change during a run.
         self._num_processes: int | None = None
+        # Fixed by the objects' types, so decided here rather than on every step: the optimizers whose
+        # step can be skipped (fp16 overflow; a prepared optimizer on the direct path never skips), and
+        # whether the schedule is stepped once (ReduceLROnPlateau, or no step count to multiply).
+        self._skippable = tuple(opt for opt in self.optimizers if not getattr(opt, "_direct", False))
+        self._step_once = not hasattr(scheduler, "get_last_lr") or _is_plateau(scheduler)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule (see the class docstring for how many times)."""
@@ -173,20 +189,22 @@ class AcceleratedScheduler:
             self.scheduler.step(*args, **kwargs)
             return
         if not self.gradient_state.sync_gradients:
-            if self.gradient_state.adjust_scheduler:
+            if self.gradient_state.plugin_kwargs.get("adjust_scheduler", False):  # GradientState.adjust_scheduler
                 self.scheduler._step_count += 1
             return
-        if any(getattr(opt, "step_was_skipped", False) for opt in self.optimizers):
-            return
-        if self.split_batches or not hasattr(self.scheduler, "get_last_lr") or _is_plateau(self.scheduler):
-            self.scheduler.step(*args, **kwargs)
+        for opt in self._skippable:
+            if getattr(opt, "step_was_skipped", False):
+                return
+        scheduler = self.scheduler
+        if self.split_batches or self._step_once:
+            scheduler.step(*args, **kwargs)
             return
         if self._num_processes is None:
             self._num_processes = int(AcceleratorState().num_processes)
         for _ in range(self._num_processes):
-            total = getattr(self.scheduler, "total_steps", None)
-            if total is None or self.scheduler._step_count <= total:  # OneCycleLR raises past its end
-                self.scheduler.step(*args, **kwargs)
+            total = getattr(scheduler, "total_steps", None)
+            if total is None or scheduler._step_count <= total:  # OneCycleLR raises past its end
+                scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> Any:
         return self.scheduler.get_last_lr()

@@ -223,3 +223,26 @@ def test_dynamo_backend_compiles_the_prepared_model(kind):
     if accelerator.is_main_process:
         assert compiled.keys() == reference.keys()
         assert max((compiled[k] - reference[k]).abs().max().item() for k in reference) < ATOL
+
+
+def test_direct_step_path_only_where_the_strategy_and_precision_add_nothing():
+    """The facade calls ``loss.backward``/``optimizer.step`` itself only when nothing would be skipped."""
+    from hasten.precision import BF16Precision, FP16Precision, Precision
+    from hasten.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+    from hasten.utils.dataclasses import DistributedType
+
+    cpu = torch.device("cpu")
+
+    class Clipping(Strategy):  # a strategy adding its own work to the step must keep being called
+        def backward(self, loss: torch.Tensor, **kwargs: object) -> None:
+            super().backward(loss)
+
+        def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: object = None) -> bool:
+            return super().optimizer_step(optimizer, closure)
+
+    for strategy in (SingleDeviceStrategy(cpu, Precision(), DistributedType.NO),
+                     DDPStrategy(cpu, BF16Precision(), DistributedType.MULTI_CPU, 2)):
+        assert strategy.direct_backward() and strategy.direct_optimizer_step()
+    for strategy in (SingleDeviceStrategy(cpu, FP16Precision(), DistributedType.NO),  # loss scaling, skipped steps
+                     Clipping(cpu, Precision(), DistributedType.NO)):
+        assert not strategy.direct_backward() and not strategy.direct_optimizer_step()

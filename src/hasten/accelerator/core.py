@@ -22,7 +22,7 @@ from hasten.accelerator._tracking import TrackingMixin
 from hasten.config import env as hasten_env
 from hasten.connector import build_parts, resolve_settings
 from hasten.exceptions import ConfigurationError
-from hasten.ops.watchdog import tracked
+from hasten.ops.watchdog import TRACKER, tracked
 from hasten.precision import detach_autocast_forward
 from hasten.state import AcceleratorState, GradientState
 from hasten.tracking import filter_trackers
@@ -53,6 +53,40 @@ _HANDLER_ATTRIBUTES = {
     MSAMPRecipeKwargs: "msamp_recipe_handler",
     FP8RecipeKwargs: "fp8_recipe_handler",
 }
+
+
+class _Accumulate(contextlib.ContextDecorator):
+    """``Accelerator.accumulate``'s context: entering advances the micro-step; on micro-steps that do not
+    synchronise, the models' ``no_sync`` contexts are entered (as Accelerate's ExitStack does).
+
+    A class rather than a ``contextlib.contextmanager`` generator: it runs on every step of an
+    accumulating loop, and a generator-based context with an ExitStack costs a dozen Python frames.
+    """
+
+    __slots__ = ("accelerator", "models", "stack")
+
+    def __init__(self, accelerator: Accelerator, models: tuple[nn.Module, ...]) -> None:
+        self.accelerator, self.models = accelerator, models
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> None:
+        accelerator = self.accelerator
+        accelerator._do_sync()
+        state = accelerator.gradient_state
+        if not self.models or state.sync_gradients or (
+                accelerator._use_distributed and state.plugin_kwargs.get("sync_each_batch", False)):
+            return
+        contexts = [context for context in map(accelerator._strategy.no_sync, self.models)
+                    if not isinstance(context, contextlib.nullcontext)]  # nothing to enter on one device
+        if contexts:
+            with contextlib.ExitStack() as stack:  # a context failing to enter unwinds the ones before it
+                for context in contexts:
+                    stack.enter_context(context)
+                self.stack = stack.pop_all()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        stack, self.stack = self.stack, None
+        return stack.__exit__(*exc) if stack is not None else None
 
 
 def _unsupported(name: str, value: Any, what: str) -> None:
@@ -135,6 +169,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self.state._strategy = self._strategy  # for the static trigger_sync_in_backward
         self._strategy.setup()
         self.state.device_mesh = build_mesh(self._settings.parallelism_config, self._strategy)
+        self._direct_backward = self._strategy.direct_backward()  # fixed with the strategy: read once
+        self._use_distributed = bool(self.state.use_distributed)  # for accumulate(): fixed for the run
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
             num_steps=self._settings.gradient_accumulation_steps, adjust_scheduler=False)
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
@@ -261,21 +297,40 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         Example:
             >>> accelerator.backward(loss)
         """
+        if self._direct_backward:
+            # The hot path: the strategy and precision add nothing to loss.backward() (full precision,
+            # single device or DDP), so make the call here; an overhead-bound step then pays for this
+            # one frame (plus the watchdog's two with several processes) instead of ten.
+            steps = self.gradient_state.plugin_kwargs.get("num_steps", 1)
+            if steps > 1:
+                loss = loss / steps
+            if not TRACKER.enabled:
+                loss.backward(**kwargs)
+                return
+            TRACKER.enter("backward (gradient all-reduce)")  # seen by the hang watchdog
+            try:
+                loss.backward(**kwargs)
+            finally:
+                TRACKER.exit()
+            return
         with tracked("backward (gradient all-reduce)"):  # seen by the hang watchdog (a no-op on one process)
             self._strategy.backward(loss, sync=self.sync_gradients,
                                     accumulation_steps=self.gradient_accumulation_steps, **kwargs)
 
     def _do_sync(self) -> None:
+        # GradientState's properties read straight from its dictionaries: this runs on every micro-step.
         state = self.gradient_state
-        if state.sync_with_dataloader and state.end_of_dataloader:
+        options = state.plugin_kwargs
+        loader = state._dataloader_references[-1]  # the active prepared loader (GradientState.active_dataloader)
+        if (loader is not None and options.get("sync_with_dataloader", True)
+                and getattr(loader, "end_of_dataloader", False)):
             self.step = 0
-            state._set_sync_gradients(True)
+            state.sync_gradients = True
         else:
             self.step += 1
-            state._set_sync_gradients(self.step % state.num_steps == 0)
+            state.sync_gradients = self.step % options.get("num_steps", 1) == 0
 
-    @contextlib.contextmanager
-    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients over ``gradient_accumulation_steps`` micro-batches.
 
         Inside, DDP skips its all-reduce except on the synchronising micro-step (or the last batch of a
@@ -287,13 +342,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
             ...         accelerator.backward(loss_fn(model(batch)))
             ...         optimizer.step(); optimizer.zero_grad()
         """
-        self._do_sync()
-        allow_sync = self.sync_gradients or (self.use_distributed and self.gradient_state.sync_each_batch)
-        with contextlib.ExitStack() as stack:
-            for model in models:
-                if not allow_sync:
-                    stack.enter_context(self._strategy.no_sync(model))
-            yield
+        return _Accumulate(self, models)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

@@ -40,7 +40,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 @functools.lru_cache(maxsize=4096)
-def _user_file(filename: str) -> str | None:
+def user_file(filename: str) -> str | None:
     """The absolute path of ``filename`` if it is user code (not hasten, torch or contextlib), else None."""
     path = os.path.abspath(filename)
     return None if path.startswith((_HASTEN_DIR, _TORCH_DIR)) or "contextlib" in path else path
@@ -50,7 +50,7 @@ def call_site() -> str:
     """``file:line in function`` of the first frame outside hasten and torch: the user's code."""
     frame: Any = sys._getframe(1)
     while frame is not None:
-        filename = _user_file(frame.f_code.co_filename)
+        filename = user_file(frame.f_code.co_filename)
         if filename is not None:
             return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back

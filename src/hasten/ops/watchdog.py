@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hasten.ops.debug import call_site, describe, format_description
+from hasten.ops.debug import describe, format_description, user_file
 
 DEFAULT_BOUND = timedelta(minutes=5)
 #: Exit status of a rank stopped by the watchdog (as ``timeout(1)`` uses for "timed out").
@@ -42,17 +42,49 @@ _DONE = "hasten_watchdog/printed"
 
 
 class _Tracker:
-    """What this rank is doing now (``current``) and did last (``recent``); written by the main thread."""
+    """What this rank is doing now (``current``) and did last (``recent``); written by the main thread.
+
+    The call site is kept raw, as (code object, instruction offset) of the first frame in the user's
+    code: turning it into ``file:line`` costs more than the rest of the bookkeeping, and only a report
+    (rare) needs the text. A code object holds no locals, so nothing of the user's is kept alive.
+    """
 
     def __init__(self) -> None:
         self.enabled = False
-        # (name, describe(data) or None, call site, start); formatted only when a report is printed
-        self.current: tuple[str, Any, str, float] | None = None
-        self.recent: deque[tuple[str, Any, str]] = deque(maxlen=_RECENT)
+        # (name, describe(data) or None, raw call site, start); formatted only when a report is printed
+        self.current: tuple[str, Any, Any, float] | None = None
+        self.recent: deque[tuple[str, Any, Any]] = deque(maxlen=_RECENT)
+        self.last_end = time.monotonic()
+
+    def enter(self, name: str, data: Any = None) -> None:
+        """Mark this rank as inside collective ``name`` (callers test ``enabled`` first)."""
+        what = describe(data) if data is not None else None
+        frame: Any = sys._getframe(1)
+        while frame is not None and user_file(frame.f_code.co_filename) is None:
+            frame = frame.f_back
+        site = (frame.f_code, frame.f_lasti) if frame is not None else None
+        self.current = (name, what, site, time.monotonic())
+        self.recent.append((name, what, site))
+
+    def exit(self) -> None:
+        """Mark the collective entered last as finished."""
+        self.current = None
         self.last_end = time.monotonic()
 
 
 _TRACKER = _Tracker()
+#: This rank's tracker. Hot paths test ``TRACKER.enabled`` (True while a watchdog runs) and call
+#: ``TRACKER.enter(name)`` / ``TRACKER.exit()`` themselves, which costs less than ``with tracked(name)``.
+TRACKER = _TRACKER
+
+
+def _site_text(site: Any) -> str:
+    """``file:line in function`` for a raw site recorded by :meth:`_Tracker.enter`."""
+    if site is None:
+        return "<unknown>"
+    code, offset = site
+    line = next((number for start, end, number in code.co_lines() if start <= offset < end), None)
+    return f"{user_file(code.co_filename)}:{line} in {code.co_name}"
 
 
 class _Tracked:
@@ -62,14 +94,10 @@ class _Tracked:
         self.name, self.data = name, data
 
     def __enter__(self) -> None:
-        what = describe(self.data) if self.data is not None else None
-        site = call_site()
-        _TRACKER.current = (self.name, what, site, time.monotonic())
-        _TRACKER.recent.append((self.name, what, site))
+        _TRACKER.enter(self.name, self.data)
 
     def __exit__(self, *exc: Any) -> None:
-        _TRACKER.current = None
-        _TRACKER.last_end = time.monotonic()
+        _TRACKER.exit()
 
 
 class _Untracked:
@@ -90,8 +118,8 @@ def tracked(name: str, data: Any = None) -> Any:
     return _Tracked(name, data) if _TRACKER.enabled else _UNTRACKED
 
 
-def _described(name: str, what: Any, site: str) -> str:
-    return f"`{name}` with {format_description(what) if what is not None else 'no tensors'} at {site}"
+def _described(name: str, what: Any, site: Any) -> str:
+    return f"`{name}` with {format_description(what) if what is not None else 'no tensors'} at {_site_text(site)}"
 
 
 def process_group_timeout(bound: timedelta) -> timedelta:

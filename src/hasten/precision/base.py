@@ -44,6 +44,14 @@ class Precision:
         """Backward pass, scaling the loss if this precision scales it."""
         loss.backward(**kwargs)
 
+    def direct_backward(self) -> bool:
+        """True when :meth:`backward` is plain ``loss.backward`` (this class's), so callers may skip it."""
+        return type(self).backward is Precision.backward
+
+    def direct_optimizer_step(self) -> bool:
+        """True when :meth:`optimizer_step` is the optimizer's own step and never skips (no loss scaler)."""
+        return type(self).optimizer_step is Precision.optimizer_step and self.scaler is None
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients of ``optimizer`` by the loss scale (once per step)."""
 

@@ -170,6 +170,24 @@ class Strategy:
             loss = loss / accumulation_steps
         self.precision.backward(loss, **kwargs)
 
+    def direct_backward(self) -> bool:
+        """True when :meth:`backward` is exactly ``loss.backward(**kwargs)`` after the accumulation division.
+
+        The facade then makes that call itself: two Python frames fewer on every step of an
+        overhead-bound loop. Answered from the classes, so a strategy or precision overriding
+        ``backward`` is never bypassed.
+        """
+        return type(self).backward is Strategy.backward and self.precision.direct_backward()
+
+    def direct_optimizer_step(self) -> bool:
+        """True when :meth:`optimizer_step` and :meth:`zero_grad` are exactly the optimizer's own calls.
+
+        The prepared optimizer then calls ``optimizer.step()`` / ``zero_grad()`` itself (see
+        :meth:`direct_backward` for why).
+        """
+        return (type(self).optimizer_step is Strategy.optimizer_step and type(self).zero_grad is Strategy.zero_grad
+                and self.precision.direct_optimizer_step())
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
         """Apply the update through the precision; False when it was skipped (fp16 overflow)."""
         return self.precision.optimizer_step(optimizer, closure)

@@ -25,8 +25,8 @@ class HastenDDP(DistributedDataParallel):
     """DDP whose unused-parameter error says how to fix it in hasten's terms."""
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        try:
-            return super().forward(*inputs, **kwargs)
+        try:  # (the explicit base call: zero-argument super() builds an object on every step)
+            return DistributedDataParallel.forward(self, *inputs, **kwargs)
         except RuntimeError as exc:
             if "find_unused_parameters" in str(exc) and "HINT" not in str(exc):
                 raise RuntimeError(str(exc) + _UNUSED_HINT) from exc
