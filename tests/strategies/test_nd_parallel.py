@@ -331,3 +331,60 @@ def test_a_transformers_model_runs_tensor_parallel_on_its_own_plan():
         logits = model(tokens).logits
         expected = plain(tokens).logits
     assert (logits - expected).abs().max().item() < ATOL
+
+
+# ------------------------------------------------------------------------ 8 gloo ranks: HSDP + TP
+def _plain_run(steps: range, accumulation: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The ground truth: one process, the whole global batch, a step every `accumulation` micro-batches."""
+    plain = _model()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=0.05)
+    for step in steps:
+        x, y = _batch(step)
+        (nn.functional.mse_loss(plain(x), y) / accumulation).backward()
+        if (step + 1) % accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    return plain, optimizer
+
+
+@pytest.mark.world_size(8, timeout=400)
+def test_hsdp_plus_tp_on_a_3d_mesh_matches_one_process_and_shards_data_over_dp_only():
+    """dp_replicate=2 x dp_shard=2 x tp=2 on 8 ranks: the 3-D mesh, with accumulation over 2 micro-steps."""
+    accelerator, model, optimizer = _prepared(_config(replicate=2, shard=2, tp=2), gradient_accumulation_steps=2)
+    rank = dist.get_rank()
+    mesh = accelerator.torch_device_mesh
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp") and tuple(mesh.shape) == (2, 2, 2)
+    assert (mesh["dp"].size(), mesh["dp_shard_cp"].size(), mesh["dp_cp"].size()) == (4, 2, 4)
+    # Neighbouring ranks form a TP pair; replication is outermost.
+    assert (accelerator.data_parallel_rank, accelerator.data_parallel_shard_rank,
+            accelerator.tensor_parallel_rank) == (rank // 4, rank // 2 % 2, rank % 2)
+    assert (accelerator.num_processes, accelerator.process_index) == (8, rank)
+    assert accelerator._data_parallel_position() == (4, rank // 2)
+    weight = model[0].weight  # (16, 6): rows split over tp, then over dp_shard; whole on each replica
+    assert set(weight.device_mesh.mesh_dim_names) == {"dp_replicate", "dp_shard", "tp"}
+    assert weight.to_local().numel() == 16 * 6 // 4
+
+    _train(accelerator, model, optimizer, range(6))  # 3 optimizer steps
+    plain, _ = _plain_run(range(6), accumulation=2)
+    probe = _batch(99)[0]
+    with torch.no_grad():
+        logits = model(probe)
+    assert (logits - plain(probe).detach()).abs().max().item() < ATOL
+    weights = _full(accelerator, model)
+    if rank == 0:
+        assert _max_diff(weights, {k: v.detach() for k, v in plain.state_dict().items()}) < ATOL
+
+    # Data follows the mesh: the two ranks of a TP pair read the same batches, the 4 data-parallel ranks
+    # different ones, and gather_for_metrics returns the 18 samples once each (padding to 4 x 3 x 2 dropped).
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(18).float(), batch_size=2))
+    seen, gathered = [], []
+    for batch in loader:
+        seen.append(batch)
+        gathered.append(accelerator.gather_for_metrics(batch))
+    mine = torch.cat(seen)
+    everyone = [torch.empty_like(mine) for _ in range(8)]
+    dist.all_gather(everyone, mine)
+    for pair in range(4):
+        assert torch.equal(everyone[2 * pair], everyone[2 * pair + 1])
+    assert len({tuple(everyone[2 * pair].tolist()) for pair in range(4)}) == 4
+    assert sorted(torch.cat(gathered).tolist()) == [float(i) for i in range(18)]
