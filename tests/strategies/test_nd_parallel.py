@@ -154,6 +154,29 @@ def test_hasten_launch_shows_the_mesh_and_refuses_a_wrong_product_before_startin
         plan("--num_processes", "3", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2")
 
 
+def test_a_config_file_block_reaches_the_dry_run_and_the_workers(tmp_path, capsys, monkeypatch):
+    """A config file's `parallelism_config:` block: the dry run prints the mesh, the workers get the sizes.
+
+    `hasten launch --config_file ... --dry_run` prints the 3-D mesh and the process count it implies;
+    the workers' `ParallelismConfig()` reads the sizes from the environment the launcher gives them.
+    """
+    from hasten.commands.main import main
+
+    script, config_file = tmp_path / "train.py", tmp_path / "config.yaml"
+    script.write_text("")
+    config_file.write_text("compute_environment: LOCAL_MACHINE\nuse_cpu: true\nparallelism_config:\n"
+                           "  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 2\n"
+                           "  parallelism_config_tp_size: 2\n")
+    assert main(["launch", "--config_file", str(config_file), "--dry_run", str(script)]) == 0
+    printed = capsys.readouterr().out
+    assert "processes:     8 " in printed
+    assert "device mesh:   DeviceMesh(dp_replicate=2 x dp_shard=2 x tp=2) over 8 processes; data-parallel size 4" in printed
+    (line,) = [line for line in printed.splitlines() if "HASTEN_LAUNCH_CONFIG=" in line]
+    monkeypatch.setenv("HASTEN_LAUNCH_CONFIG", line.split("=", 1)[1])
+    worker = ParallelismConfig()
+    assert (worker.dp_replicate_size, worker.dp_shard_size, worker.tp_size, worker.cp_size) == (2, 2, 2, 1)
+
+
 def test_tp_plans_expand_patterns_and_check_divisibility():
     class Block(nn.Module):
         def __init__(self) -> None:
