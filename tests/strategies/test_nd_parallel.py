@@ -415,13 +415,14 @@ def test_hsdp_plus_tp_on_a_3d_mesh_matches_one_process_and_shards_data_over_dp_o
     assert sorted(torch.cat(gathered).tolist()) == [float(i) for i in range(18)]
 
 
-def _save_on_3d_mesh(folder: str) -> dict[str, torch.Tensor]:
-    """8 ranks, HSDP + TP 2x2x2: two optimizer steps, save, two more: the uninterrupted run."""
+def _save_on_3d_mesh(folder: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """8 ranks, HSDP + TP 2x2x2: two optimizer steps, save, two more: (weights at save, uninterrupted run)."""
     accelerator, model, optimizer = _prepared(_config(replicate=2, shard=2, tp=2), gradient_accumulation_steps=2)
     _train(accelerator, model, optimizer, range(4))
     accelerator.save_state(folder)
+    at_save = _full(accelerator, model)
     _train(accelerator, model, optimizer, range(4, 8))
-    return _full(accelerator, model)
+    return at_save, _full(accelerator, model)
 
 
 def _resume_on_hsdp(folder: str) -> dict[str, torch.Tensor]:
@@ -435,7 +436,7 @@ def _resume_on_hsdp(folder: str) -> dict[str, torch.Tensor]:
     return _full(accelerator, model)
 
 
-def test_save_on_the_3d_mesh_and_continue_on_a_4_rank_mesh(tmp_path):
+def test_save_on_the_3d_mesh_continue_on_a_4_rank_mesh_and_merge(tmp_path):
     """Saved by HSDP + TP on 8 ranks, resumed by HSDP 2x2 on 4: ends where the uninterrupted 8-rank run ends.
 
     Tolerance 1e-5: the checkpoint round trip is exact (DCP writes the fp32 values, loading onto another
@@ -445,8 +446,15 @@ def test_save_on_the_3d_mesh_and_continue_on_a_4_rank_mesh(tmp_path):
     fewer by 0.05.
     """
     folder = str(tmp_path / "ckpt")
-    uninterrupted = run_on_ranks(_save_on_3d_mesh, world_size=8, args=(folder,), timeout=300)[0]
+    at_save, uninterrupted = run_on_ranks(_save_on_3d_mesh, world_size=8, args=(folder,), timeout=300)[0]
     resumed = run_on_ranks(_resume_on_hsdp, world_size=4, args=(folder,), timeout=300)[0]
     assert _max_diff(resumed, uninterrupted) < ATOL
     plain, _ = _plain_run(range(8), accumulation=2)  # and both are the one-process run
     assert _max_diff(uninterrupted, {k: v.detach() for k, v in plain.state_dict().items()}) < ATOL
+    # `hasten merge-weights` joins the TP-and-FSDP-split pieces into one file a plain model loads, exactly.
+    from hasten.commands.main import main
+
+    assert main(["merge-weights", folder, str(tmp_path / "merged")]) == 0
+    merged = _model()
+    merged.load_state_dict(load_file(str(tmp_path / "merged" / "model.safetensors")))
+    assert _max_diff({k: v.detach() for k, v in merged.state_dict().items()}, at_save) == 0.0
