@@ -16,7 +16,6 @@ import mmap
 import os
 import zlib
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,15 +63,14 @@ def write_manifest(folder: Path, num_processes: int, sealed: dict[str, tuple[int
 
     ``sealed`` holds ``(size, crc32)`` of the files this process already checksummed and fsync'ed
     while writing them (:mod:`hasten.checkpointing.sealing`); the others (other processes' files,
-    DCP's) are read here, two at a time.
+    DCP's) are read here.
     """
     (folder / STAGING_MARKER).unlink(missing_ok=True)
     sealed = sealed or {}
     names = [rel for rel in list_files(folder) if rel != MANIFEST]
     # A sealed file is reused only while its size still matches what was checksummed.
     todo = [rel for rel in names if rel not in sealed or (folder / rel).stat().st_size != sealed[rel][0]]
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="hasten-crc") as pool:
-        computed = dict(zip(todo, pool.map(lambda rel: file_checksum(folder / rel, sync=True), todo)))
+    computed = {rel: file_checksum(folder / rel, sync=True) for rel in todo}
     files = {}
     for rel in names:
         size, crc = computed[rel] if rel in computed else sealed[rel]
