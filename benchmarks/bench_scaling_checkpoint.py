@@ -5,15 +5,20 @@ optimizer holds its two moments: the checkpoint is model + optimizer state (3x t
 
   * full, 1 process: hasten and Accelerate ``save_state``/``load_state`` (safetensors model files, their
     default) against the floor, which writes the same tensors itself: ``torch.save`` of both state
-    dicts in one file, and safetensors ``save_file`` for the model + ``torch.save`` for the optimizer;
+    dicts in one file, and safetensors ``save_file`` for the model + ``torch.save`` for the optimizer
+    (the ratios' floor). That floor, like Accelerate, never fsyncs: its save ends with the bytes in the
+    page cache. hasten's save is durable (fsync of every file and folder before publication, CRC-32
+    manifest), so "safetensors+fsync" (the same floor plus one fsync per file and of the folder) is
+    shown beside it as the floor of a durable save;
   * sharded, 2 gloo ranks: hasten with FSDP2 (``SHARDED_STATE_DICT``: torch.distributed.checkpoint)
     against the floor written by hand (``fully_shard`` per layer, ``get_state_dict`` + ``dcp.save``;
     ``dcp.load`` + ``set_state_dict``). Accelerate's FSDP does not run on CPU (with ``cpu=True`` it
     ignores the plugin), so it has no sharded row.
 
 Times are the slowest rank's; "bytes" is what the checkpoint folder holds. Each point is a fresh set of
-processes writing into a fresh folder (page cache warm, so this measures serialisation, not the disk);
-cases are interleaved; medians over --repeats.
+processes writing into a fresh folder; every case first does one untimed save + load (one-time lazy
+imports and allocations, which made the first case look slow), then ``os.sync()``, then the timed
+round. Reads come from the page cache. Cases are interleaved; medians over --repeats.
 
     python benchmarks/bench_scaling_checkpoint.py            # full: model 0.1-0.8 GB, 3 repeats (~5 GB of disk)
     python benchmarks/bench_scaling_checkpoint.py --quick    # 12-50 MB, one repeat
@@ -53,13 +58,29 @@ def _folder_bytes(folder: str) -> int:
 
 
 def _timed(save: Any, load: Any, folder: str, barrier: Any = lambda: None) -> dict[str, float]:
+    """Time ``save(folder)`` then ``load(folder)``, after one untimed round into a scratch folder.
+
+    The untimed round pays each case's one-time costs (lazy imports inside torch.save/torch.load and
+    safetensors, first allocations) so that every case, the floor included, is measured warm; it is
+    removed and the dirty pages flushed (``os.sync``) before the timed round, so no case inherits the
+    writeback of another's files.
+    """
+    warm = folder.rstrip("/") + "-warm"
+    os.makedirs(warm, exist_ok=True)
+    save(warm)
+    barrier()
+    load(warm)
+    barrier()
+    shutil.rmtree(warm, ignore_errors=True)
+    os.makedirs(folder, exist_ok=True)
+    os.sync()
     barrier()
     start = time.perf_counter()
-    save()
+    save(folder)
     barrier()
     save_s = time.perf_counter() - start
     start = time.perf_counter()
-    load()
+    load(folder)
     barrier()
     return {"save_s": save_s, "load_s": time.perf_counter() - start, "bytes": _folder_bytes(folder)}
 
@@ -68,29 +89,31 @@ def _full(case: str, layers: int, folder: str) -> dict[str, float]:
     torch.set_num_threads(1)
     model = _model(layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    os.makedirs(folder, exist_ok=True)
     if case == "torch.save":
-        path = os.path.join(folder, "state.pt")
+        def save(where: str) -> None:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, f"{where}/state.pt")
 
-        def save() -> None:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
-
-        def load() -> None:
-            state = torch.load(path, weights_only=True)
+        def load(where: str) -> None:
+            state = torch.load(f"{where}/state.pt", weights_only=True)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         _one_step(model, optimizer)
         return _timed(save, load, folder)
-    if case == "safetensors":
+    if case in ("safetensors", "safetensors+fsync"):
         from safetensors.torch import load_file, save_file
 
-        def save() -> None:
-            save_file(model.state_dict(), os.path.join(folder, "model.safetensors"))
-            torch.save(optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+        def save(where: str) -> None:
+            save_file(model.state_dict(), os.path.join(where, "model.safetensors"))
+            torch.save(optimizer.state_dict(), os.path.join(where, "optimizer.pt"))
+            if case == "safetensors+fsync":  # what a durable save cannot skip: data and entries on disk
+                for name in ("model.safetensors", "optimizer.pt", ""):
+                    fd = os.open(os.path.join(where, name), os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
 
-        def load() -> None:
-            model.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
-            optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt"), weights_only=True))
+        def load(where: str) -> None:
+            model.load_state_dict(load_file(os.path.join(where, "model.safetensors")))
+            optimizer.load_state_dict(torch.load(os.path.join(where, "optimizer.pt"), weights_only=True))
         _one_step(model, optimizer)
         return _timed(save, load, folder)
     if case == "hasten":
@@ -103,7 +126,7 @@ def _full(case: str, layers: int, folder: str) -> dict[str, float]:
         accelerator = HFAccelerator(cpu=True)
     model, optimizer = accelerator.prepare(model, optimizer)
     _one_step(model, optimizer)
-    return _timed(lambda: accelerator.save_state(folder), lambda: accelerator.load_state(folder), folder)
+    return _timed(accelerator.save_state, accelerator.load_state, folder)
 
 
 def _sharded(case: str, layers: int, folder: str) -> dict[str, float]:
@@ -121,14 +144,14 @@ def _sharded(case: str, layers: int, folder: str) -> dict[str, float]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         _one_step(model, optimizer)
 
-        def save() -> None:
+        def save(where: str) -> None:
             model_state, optim_state = get_state_dict(model, optimizer)
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=folder)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=where)
 
-        def load() -> None:
+        def load(where: str) -> None:
             model_state, optim_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optimizer": optim_state}
-            dcp.load(state, checkpoint_id=folder)
+            dcp.load(state, checkpoint_id=where)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         return _timed(save, load, folder, dist.barrier)
     from hasten import Accelerator
@@ -138,8 +161,7 @@ def _sharded(case: str, layers: int, folder: str) -> dict[str, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     _one_step(model, optimizer)
-    return _timed(lambda: accelerator.save_state(folder), lambda: accelerator.load_state(folder), folder,
-                  dist.barrier)
+    return _timed(accelerator.save_state, accelerator.load_state, folder, dist.barrier)
 
 
 def main() -> None:
@@ -147,7 +169,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="model sizes, in 4.2 MB layers")
     args = _scaling.finish_args(parser.parse_args())
     layer_counts = args.layers or ([3, 6, 12] if args.quick else [24, 48, 96, 192])
-    full_cases = ["torch.save", "safetensors", "hasten"] + (["accelerate"] if _scaling.have_accelerate() else [])
+    full_cases = ["torch.save", "safetensors", "safetensors+fsync", "hasten"] + (["accelerate"] if _scaling.have_accelerate() else [])
     sharded_cases = ["dcp by hand", "hasten fsdp2"]
     runs: dict[str, dict[int, list[dict[str, float]]]] = {
         c: {n: [] for n in layer_counts} for c in full_cases + sharded_cases}

@@ -21,6 +21,7 @@ At 1 process the worker makes a one-rank group from a file store when the launch
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -33,14 +34,15 @@ import _scaling
 
 WORKER = r'''
 import os, sys, time
-print("FIRST", time.time(), flush=True)
+# one os.write per line: ranks share the launcher's pipe, and print() may split a line over several writes
+os.write(1, f"FIRST {time.time()}\n".encode())
 import torch.distributed as dist
 if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
     dist.init_process_group("gloo")
 else:  # a launcher that runs one process directly gives no rendezvous: a one-rank group
     dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1] + ".store", 1), rank=0, world_size=1)
 dist.barrier()
-print("READY", time.time(), flush=True)
+os.write(1, f"READY {time.time()}\n".encode())
 dist.destroy_process_group()
 '''
 
@@ -76,8 +78,8 @@ def _once(launcher: str, n: int, script: str, folder: Path) -> dict[str, float]:
     end = time.time()
     if proc.returncode != 0:
         raise RuntimeError(f"{launcher} with {n} processes failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    first = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("FIRST ")]
-    ready = [float(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("READY ")]
+    first = [float(t) for t in re.findall(r"FIRST (\d+\.\d+)", proc.stdout)]
+    ready = [float(t) for t in re.findall(r"READY (\d+\.\d+)", proc.stdout)]
     if len(first) != n or len(ready) != n:
         raise RuntimeError(f"{launcher} with {n} processes: expected {n} workers, saw {len(first)}/{len(ready)}:\n"
                            f"{proc.stdout[-2000:]}")

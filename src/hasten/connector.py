@@ -26,6 +26,7 @@ from hasten.utils.dataclasses import (
     DynamoBackend,
     GradScalerKwargs,
 )
+from hasten.utils.fp8 import AORecipeKwargs
 
 
 @dataclass(frozen=True)
@@ -55,30 +56,29 @@ def _precision(explicit: Any, launch: LaunchConfig) -> str:
         value = launched or "no"
     if value not in SUPPORTED and value != "fp8":
         raise ConfigurationError(f"Unknown mixed_precision {value!r}: choose one of {SUPPORTED}.")
-    if value == "fp8":
-        _check_fp8_hardware()
     return value
 
 
-def _check_fp8_hardware() -> None:
-    """fp8 training needs fp8 matrix units: refuse clearly, naming the requirement, where there are none."""
-    import importlib.util
+def _fp8_hardware(cpu: bool) -> tuple[bool, tuple[int, int] | None, str]:
+    """(runs on the CPU, compute capability, device name) of the device this process would use."""
+    from hasten.devices import select_device
 
-    import torch
+    device = select_device(cpu=cpu)
+    return device.name == "cpu", device.compute_capability(), device.device_label()
 
-    if not torch.cuda.is_available():
-        found = "no CUDA GPU"
-    elif torch.cuda.get_device_capability() < (8, 9):
-        major, minor = torch.cuda.get_device_capability()
-        found = f"a GPU of compute capability {major}.{minor} ({torch.cuda.get_device_name()})"
-    elif importlib.util.find_spec("torchao") is None:
-        found = "a capable GPU but not torchao (`pip install torchao`)"
-    else:
-        return
-    raise ConfigurationError(
-        f"mixed_precision='fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada or Hopper: L4, "
-        f"RTX 4090, H100...) and torchao, whose float8 training hasten uses; this machine has {found}. "
-        "HINT: use mixed_precision='bf16' (or 'fp16') here.")
+
+def _check_fp8(handlers: Mapping[type, Any], launch: LaunchConfig, cpu: bool) -> str:
+    """The fp8 engine for this run, after refusing clearly where it cannot run (names the requirement)."""
+    from hasten.precision.fp8 import check_fp8_support, fp8_backend
+    from hasten.utils.imports import is_msamp_available, is_torchao_available, is_transformer_engine_available
+
+    backend = fp8_backend(handlers, launch.fp8_config)
+    on_cpu, capability, label = _fp8_hardware(cpu)
+    package = {"TE": is_transformer_engine_available, "MSAMP": is_msamp_available}.get(backend)
+    check_fp8_support(backend, on_cpu=on_cpu, capability=capability, device_label=label,
+                      torchao_available=is_torchao_available(),
+                      backend_package_available=bool(package and package()))
+    return backend
 
 
 def _launched_accumulation(launch: LaunchConfig) -> int | None:
@@ -162,13 +162,17 @@ def resolve_settings(kwargs: Mapping[str, Any], launch: LaunchConfig | Mapping[s
     """
     launch = as_launch_config(launch)
     dynamo_backend, dynamo_kwargs = _dynamo(kwargs.get("dynamo_backend"), kwargs.get("dynamo_plugin"), launch)
+    cpu = bool(kwargs.get("cpu")) or launch.use_cpu
+    mixed_precision = _precision(kwargs.get("mixed_precision"), launch)
+    if mixed_precision == "fp8":
+        _check_fp8(kwargs.get("kwargs_handlers") or {}, launch, cpu)
     return Settings(
-        mixed_precision=_precision(kwargs.get("mixed_precision"), launch),
+        mixed_precision=mixed_precision,
         gradient_accumulation_steps=_accumulation(kwargs.get("gradient_accumulation_steps", 1),
                                                   kwargs.get("gradient_accumulation_plugin"), launch),
         dynamo_backend=dynamo_backend,
         dynamo_kwargs=dynamo_kwargs,
-        cpu=bool(kwargs.get("cpu")) or launch.use_cpu,
+        cpu=cpu,
         fsdp_plugin=_fsdp_plugin(kwargs.get("fsdp_plugin"), launch),
         deepspeed_plugin=_deepspeed_plugin(kwargs.get("deepspeed_plugin"), launch),
         parallelism_config=_parallelism_config(kwargs.get("parallelism_config"), launch),
@@ -244,7 +248,8 @@ def build_parts(settings: Settings, device: torch.device, distributed_type: Dist
         return strategy.precision, strategy
     precision = create_precision(settings.mixed_precision, device.type,
                                  autocast_handler=handlers.get(AutocastKwargs),
-                                 scaler_handler=handlers.get(GradScalerKwargs))
+                                 scaler_handler=handlers.get(GradScalerKwargs),
+                                 fp8_recipe=handlers.get(AORecipeKwargs))
     if uses_nd_strategy(config):
         from hasten.precision.fsdp import FSDPPrecision
         from hasten.strategies.nd import NDParallelStrategy

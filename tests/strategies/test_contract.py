@@ -10,9 +10,9 @@ then the mean over ranks) where the reference takes one mean over the whole batc
 the clipping norm over buckets or shards: the same fp32 numbers summed in another order, ~1e-7
 relative per operation. SGD with lr 0.1 over 3 steps keeps that below ~1e-6, so ``ATOL = 1e-5`` is
 10x the noise and 1000x below a real mistake (a missed or doubled step, an un-averaged or dropped
-gradient moves weights by ~1e-2). The N-D rows (HSDP 2x2, DDP x TP 2x2, FSDP2 x TP 2x2 on 4 ranks)
-add tensor-parallel matmuls split over two ranks and summed by an all-reduce: the same order-of-summation
-noise, same bound. Under TP both ranks of a group read the same batch: batches follow the
+gradient moves weights by ~1e-2). The N-D rows (HSDP 2x2, DDP x TP 2x2, FSDP2 x TP 2x2 on 4 ranks,
+HSDP x TP 2x2x2 on 8) add tensor-parallel matmuls split over two ranks and summed by an all-reduce:
+the same order-of-summation noise, same bound. Under TP both ranks of a group read the same batch: batches follow the
 data-parallel rank. Resume: the resumed run replays the very same operations on the
 same numbers as the uninterrupted one, so it must be bit-exact (``torch.equal``).
 """
@@ -41,10 +41,11 @@ ATOL = 1e-5
 _RANKS = {"single": [], "ddp": [pytest.mark.world_size(2)], "fsdp2": [pytest.mark.world_size(2)],
           "deepspeed": [pytest.mark.world_size(2, timeout=280)],
           "hsdp": [pytest.mark.world_size(4, timeout=280)], "ddp_tp": [pytest.mark.world_size(4, timeout=280)],
-          "fsdp2_tp": [pytest.mark.world_size(4, timeout=280)]}
+          "fsdp2_tp": [pytest.mark.world_size(4, timeout=280)],
+          "hsdp_tp": [pytest.mark.world_size(8, timeout=280)]}
 #: The N-D rows: their ParallelismConfig sizes (dp_replicate, dp_shard, tp); the TP plan splits the
 #: first Linear by output columns and the second by input rows (nn.Sequential children by index).
-_ND = {"hsdp": (2, 2, 1), "ddp_tp": (2, 1, 2), "fsdp2_tp": (1, 2, 2)}
+_ND = {"hsdp": (2, 2, 1), "ddp_tp": (2, 1, 2), "fsdp2_tp": (1, 2, 2), "hsdp_tp": (2, 2, 2)}
 TP_PLAN = {"0": "colwise", "2": "rowwise"}
 
 

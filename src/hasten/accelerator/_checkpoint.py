@@ -26,6 +26,7 @@ from hasten.accelerator._base import AcceleratorBase
 from hasten.checkpointing import CheckpointError, capture_rng_state, restore_rng_state
 from hasten.checkpointing import files as ckpt
 from hasten.checkpointing import restore_checks as checks
+from hasten.checkpointing import sealing
 from hasten.checkpointing.manifest import my_share, read_manifest, verify_files
 from hasten.checkpointing.naming import (
     check_target,
@@ -96,22 +97,27 @@ class CheckpointMixin(AcceleratorBase):
         gradients = [] if self.sync_gradients else [self._strategy.accumulated_gradients(m) for m in self._models]
         self._start_save(target)
         staging = staging_folder(target)
-        weights = self._strategy.weights_for_save(self._models)
-        for hook in self._save_model_state_pre_hook.values():
-            hook(self._models, weights, str(staging))
-        self._strategy.save(self._models, self._raw_optimizers(), staging, weights=weights,
-                            writer=self._writes_shared_files(), safe_serialization=safe_serialization)
-        if self._writes_shared_files():
-            self._write_shared_files(staging)
-        ckpt.torch_save(capture_rng_state(self.step), staging / ckpt.RNG.format(rank=self.process_index))
-        self._save_accumulated_gradients(staging, gradients)
+        sealer = sealing.start(staging)  # each file checksummed as written, fsync'ed in the background
+        try:
+            weights = self._strategy.weights_for_save(self._models)
+            for hook in self._save_model_state_pre_hook.values():
+                hook(self._models, weights, str(staging))
+            self._strategy.save(self._models, self._raw_optimizers(), staging, weights=weights,
+                                writer=self._writes_shared_files(), safe_serialization=safe_serialization)
+            if self._writes_shared_files():
+                self._write_shared_files(staging)
+            ckpt.torch_save(capture_rng_state(self.step), staging / ckpt.RNG.format(rank=self.process_index))
+            self._save_accumulated_gradients(staging, gradients)
+            sealed = sealer.finish()  # this process's files are durable before the others are told so
+        finally:
+            sealing.stop(staging)
         run_stage_hooks("before_publish", staging)
         self.wait_for_everyone()
         if self.is_main_process:
-            publish(target, self.num_processes)
+            publish(target, self.num_processes, sealed)
         self.wait_for_everyone()
         if self.is_local_main_process and not self.is_main_process:
-            publish(target, self.num_processes)  # machines that do not share the main process's file system
+            publish(target, self.num_processes, sealed)  # machines that do not share the main process's file system
         self.wait_for_everyone()
         if self.is_main_process and self.project_configuration.automatic_checkpoint_naming:
             run_stage_hooks("published", target)

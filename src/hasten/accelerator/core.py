@@ -24,6 +24,7 @@ from hasten.connector import build_parts, resolve_settings
 from hasten.exceptions import ConfigurationError
 from hasten.ops.watchdog import TRACKER, tracked
 from hasten.precision import detach_autocast_forward
+from hasten.precision.fp8 import ao_recipe_from_launch
 from hasten.state import AcceleratorState, GradientState
 from hasten.tracking import filter_trackers
 from hasten.utils.dataclasses import (
@@ -126,6 +127,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
     init_handler: InitProcessGroupKwargs | None
     autocast_handler: AutocastKwargs | None
     profile_handler: ProfileKwargs | None
+    ao_recipe_handler: AORecipeKwargs | None
 
     def __init__(self, device_placement: bool = True, split_batches: Any = _NOT_GIVEN, mixed_precision: Any = None,
                  gradient_accumulation_steps: int = 1, cpu: bool = False,
@@ -154,8 +156,13 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
             {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
              "gradient_accumulation_plugin": gradient_accumulation_plugin, "dynamo_backend": dynamo_backend,
              "dynamo_plugin": dynamo_plugin, "cpu": cpu, "fsdp_plugin": fsdp_plugin,
-             "deepspeed_plugin": deepspeed_plugin or deepspeed_plugins, "parallelism_config": parallelism_config},
+             "deepspeed_plugin": deepspeed_plugin or deepspeed_plugins, "parallelism_config": parallelism_config,
+             "kwargs_handlers": handlers},
             launch)
+        if self._settings.mixed_precision == "fp8" and AORecipeKwargs not in handlers:
+            # torchao's defaults (as Accelerate fills in), with the launch configuration's AO switches
+            recipe = ao_recipe_from_launch(launch.fp8_config if launch is not None else None)
+            self.ao_recipe_handler = handlers[AORecipeKwargs] = recipe
         check_parallelism_sizes(self._settings.parallelism_config, self._settings.cpu)  # before any group starts
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         self.state = AcceleratorState(mixed_precision=self._settings.mixed_precision, cpu=self._settings.cpu,

@@ -7,14 +7,14 @@ Writes go through a temporary name and a rename; reads use safetensors or
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from hasten.checkpointing import safe_load
+from hasten.checkpointing import safe_load, sealing
 from hasten.checkpointing.rng import CheckpointError
 from hasten.utils.serialization import atomic_path
 
@@ -34,10 +34,25 @@ def suffix(index: int) -> str:
     return "" if index == 0 else f"_{index}"
 
 
+def write_file(path: Path, writer: Callable[[Path], Any]) -> None:
+    """Run ``writer(file)`` so that ``path`` is complete and durable before a checkpoint publishes it.
+
+    Inside a save's staging folder the file is written under its final name and sealed (CRC-32 and
+    fsync in the background, :mod:`hasten.checkpointing.sealing`): the folder is published as a whole
+    only after that. Anywhere else it goes through a temporary name, an fsync and a rename.
+    """
+    sealer = sealing.sealer_for(path)
+    if sealer is None:
+        with atomic_path(path) as tmp:
+            writer(tmp)
+        return
+    writer(path)
+    sealer.seal(path)
+
+
 def torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` through a temporary file."""
-    with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+    """``torch.save``, crash-safely (:func:`write_file`)."""
+    write_file(path, lambda file: torch.save(obj, file))
 
 
 def torch_load(path: Path, map_location: Any = "cpu") -> Any:
@@ -77,8 +92,7 @@ def save_model_weights(state_dict: Mapping[str, torch.Tensor], folder: Path, ind
 
         path = folder / SAFE_MODEL.format(suffix=suffix(index))
         tensors = {k: v.cpu() for k, v in dedupe_shared_tensors(state_dict).items()}
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
+        write_file(path, lambda file: save_file(tensors, str(file), metadata={"format": "pt"}))
         return path
     path = folder / BIN_MODEL.format(suffix=suffix(index))
     torch_save({k: v.cpu() for k, v in state_dict.items()}, path)
@@ -163,8 +177,7 @@ def save_gradient_tensors(grads: Mapping[str, torch.Tensor], path: Path) -> bool
         return False
     from safetensors.torch import save_file
 
-    with atomic_path(path) as tmp:
-        save_file(dict(grads), str(tmp), metadata={"format": "pt"})
+    write_file(path, lambda file: save_file(dict(grads), str(file), metadata={"format": "pt"}))
     return True
 
 

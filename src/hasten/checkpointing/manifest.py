@@ -58,14 +58,22 @@ def list_files(folder: Path) -> list[str]:
     return sorted(found)
 
 
-def write_manifest(folder: Path, num_processes: int) -> dict[str, Any]:
-    """Checksum and fsync every file of ``folder`` (and its folders), then write the manifest last."""
+def write_manifest(folder: Path, num_processes: int, sealed: dict[str, tuple[int, str]] | None = None) -> dict[str, Any]:
+    """Checksum and fsync every file of ``folder`` (and its folders), then write the manifest last.
+
+    ``sealed`` holds ``(size, crc32)`` of the files this process already checksummed and fsync'ed
+    while writing them (:mod:`hasten.checkpointing.sealing`); the others (other processes' files,
+    DCP's) are read here.
+    """
     (folder / STAGING_MARKER).unlink(missing_ok=True)
+    sealed = sealed or {}
+    names = [rel for rel in list_files(folder) if rel != MANIFEST]
+    # A sealed file is reused only while its size still matches what was checksummed.
+    todo = [rel for rel in names if rel not in sealed or (folder / rel).stat().st_size != sealed[rel][0]]
+    computed = {rel: file_checksum(folder / rel, sync=True) for rel in todo}
     files = {}
-    for rel in list_files(folder):
-        if rel == MANIFEST:
-            continue
-        size, crc = file_checksum(folder / rel, sync=True)
+    for rel in names:
+        size, crc = computed[rel] if rel in computed else sealed[rel]
         files[rel] = {"size": size, "crc32": crc}
     for root, _dirs, _names in os.walk(folder):
         fsync_dir(Path(root))

@@ -181,18 +181,19 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(err, os.strerror(err), str(first))
 
 
-def publish(target: Path, num_processes: int) -> None:
+def publish(target: Path, num_processes: int, sealed: dict[str, tuple[int, str]] | None = None) -> None:
     """Checksum, sync and write the manifest of the finished staging folder, then make it ``target``.
 
     An earlier checkpoint under ``target`` is swapped out in one atomic exchange where the system
     offers one (Linux); elsewhere it is renamed to ``<name>.old`` first and :func:`recover` restores
     it if the process dies between the two renames. Called by one process per file system after every
     process finished writing; a missing staging folder means another process already published it.
+    ``sealed``: the files this process already checksummed and synced (see :func:`write_manifest`).
     """
     staging = staging_folder(target)
     if not staging.exists():
         return
-    write_manifest(staging, num_processes)
+    write_manifest(staging, num_processes, sealed)
     if writes_in_place(target):
         _publish_in_place(staging, target)
         return

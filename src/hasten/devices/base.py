@@ -48,6 +48,16 @@ class Device(ABC):
         """Bytes allocated by tensors on ``device`` (0 where not tracked)."""
         return 0
 
+    @staticmethod
+    def compute_capability() -> tuple[int, int] | None:
+        """(major, minor) of this process's current device where the hardware has that notion, else None."""
+        return None
+
+    @staticmethod
+    def device_label() -> str:
+        """A human-readable name of the current device, for messages."""
+        return "the host CPU"
+
     @property
     def autocast_device_type(self) -> str:
         return self.name

@@ -26,6 +26,17 @@ class CUDADevice(Device):
     def device_count() -> int:
         return torch.cuda.device_count()
 
+    @staticmethod
+    def compute_capability() -> tuple[int, int] | None:
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        return int(major), int(minor)
+
+    @staticmethod
+    def device_label() -> str:
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
+
     def torch_device(self, local_rank: int) -> torch.device:
         count = max(torch.cuda.device_count(), 1)
         # More local processes than visible GPUs (or CUDA_VISIBLE_DEVICES set per process): wrap around.

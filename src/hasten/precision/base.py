@@ -37,6 +37,9 @@ class Precision:
         """The context that runs code in this precision (``accelerator.autocast()``)."""
         return nullcontext()
 
+    def convert_module(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Change ``model``'s layers for this precision, in place, before it is wrapped (fp8 swaps linears)."""
+
     def wrap_forward(self, model: nn.Module) -> None:
         """Make ``model.forward`` run under :meth:`autocast` and return fp32 outputs."""
 

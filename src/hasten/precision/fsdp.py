@@ -58,6 +58,9 @@ class FSDPPrecision(Precision):
     def autocast(self, autocast_handler: AutocastKwargs | None = None) -> AbstractContextManager[Any]:
         return self.inner.autocast(autocast_handler)
 
+    def convert_module(self, model: nn.Module) -> None:
+        self.inner.convert_module(model)
+
     def wrap_forward(self, model: nn.Module) -> None:
         self.inner.wrap_forward(model)
 

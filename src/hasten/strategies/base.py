@@ -135,7 +135,9 @@ class Strategy:
         return requested
 
     def apply_precision(self, model: nn.Module) -> None:
-        """Give the model's forward this run's mixed precision (autocast + fp32 outputs by default)."""
+        """Give the model this run's mixed precision: its layers converted (fp8), then a forward under
+        autocast returning fp32 outputs."""
+        self.precision.convert_module(model)
         if self.precision.native_amp:
             self.precision.wrap_forward(model)
 

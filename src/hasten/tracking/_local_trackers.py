@@ -129,7 +129,55 @@ class DVCLiveTracker(GeneralTracker):
             self.live.end()
 
 
-class SwanLabTracker(GeneralTracker):
+class _ProjectRunTracker(GeneralTracker):
+    """A run started by ``<package>.init(project=run_name, **kwargs)`` with a module-level ``config`` and
+    ``run.log(values, step=...)`` / ``run.finish()``: the API SwanLab and Trackio share (after W&B's).
+
+    Subclasses name the package and say whether text values are logged (``logs_text``).
+    """
+
+    package: str
+    logs_text: bool = True
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        self.run_name = run_name
+        self.init_kwargs = kwargs
+        self.run: Any = None
+
+    def _module(self) -> Any:
+        return _require(self.package, self.package, self.name)
+
+    @on_main_process
+    def start(self) -> None:
+        self.run = self._module().init(project=self.run_name, **self.init_kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        """The run object ``init`` returned."""
+        return self.run
+
+    @on_main_process
+    def store_init_configuration(self, values: dict[str, Any]) -> None:
+        """Add ``values`` to the run's config."""
+        self._module().config.update({k: as_python_scalar(v) for k, v in values.items()})
+
+    @on_main_process
+    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
+        """Log numbers (and text, where the tool keeps text) at ``step``."""
+        items = _numbers(values, f"{self.name} tracker")
+        if not self.logs_text:
+            items = {k: v for k, v in items.items() if not isinstance(v, str)}
+        self.run.log(items, step=step, **kwargs)
+
+    @on_main_process
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+class SwanLabTracker(_ProjectRunTracker):
     """Log to a SwanLab run of the project named after the run (``mode="local"`` or ``"offline"`` keeps it on disk).
 
     Args:
@@ -138,51 +186,21 @@ class SwanLabTracker(GeneralTracker):
     """
 
     name = "swanlab"
-    requires_logging_directory = False
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.run: Any = None
-
-    @on_main_process
-    def start(self) -> None:
-        swanlab = _require("swanlab", "swanlab", self.name)
-        self.run = swanlab.init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        """The SwanLab run."""
-        return self.run
-
-    @on_main_process
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
-        """Add ``values`` to the run's config."""
-        swanlab = _require("swanlab", "swanlab", self.name)
-        swanlab.config.update({k: as_python_scalar(v) for k, v in values.items()})
-
-    @on_main_process
-    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        """Log numbers (and text) at ``step``."""
-        self.run.log(_numbers(values, "swanlab tracker"), step=step, **kwargs)
+    package = "swanlab"
 
     @on_main_process
     def log_images(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         """Log images: ``{"name": image}`` or a list of images per name."""
-        swanlab = _require("swanlab", "swanlab", self.name)
+        swanlab = self._module()
         images = {k: [swanlab.Image(i) for i in v] if isinstance(v, list) else swanlab.Image(v)
                   for k, v in values.items()}
         self.run.log(images, step=step, **kwargs)
 
-    @on_main_process
-    def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
 
-
-class TrackioTracker(GeneralTracker):
+class TrackioTracker(_ProjectRunTracker):
     """Log to a Trackio run of the project named after the run (a local database unless a Space is given).
+
+    Text values are skipped: Trackio plots numbers.
 
     Args:
         run_name: the project name given to ``init_trackers``.
@@ -190,37 +208,5 @@ class TrackioTracker(GeneralTracker):
     """
 
     name = "trackio"
-    requires_logging_directory = False
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        self.run_name = run_name
-        self.init_kwargs = kwargs
-        self.run: Any = None
-
-    @on_main_process
-    def start(self) -> None:
-        trackio = _require("trackio", "trackio", self.name)
-        self.run = trackio.init(project=self.run_name, **self.init_kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        """The Trackio run."""
-        return self.run
-
-    @on_main_process
-    def store_init_configuration(self, values: dict[str, Any]) -> None:
-        """Add ``values`` to the run's config."""
-        trackio = _require("trackio", "trackio", self.name)
-        trackio.config.update({k: as_python_scalar(v) for k, v in values.items()})
-
-    @on_main_process
-    def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        """Log numbers (text is skipped: Trackio plots numbers)."""
-        numbers = {k: v for k, v in _numbers(values, "trackio tracker").items() if not isinstance(v, str)}
-        self.run.log(numbers, step=step, **kwargs)
-
-    @on_main_process
-    def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
+    package = "trackio"
+    logs_text = False

@@ -9,6 +9,7 @@ Transformer Engine and MS-AMP recipes are accepted as settings (configs load) bu
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -109,10 +110,38 @@ class FP8BackendType(str, enum.Enum):
     AO = "AO"
 
 
+def find_first_last_linear_layers(model: Any) -> tuple[str | None, str | None]:
+    """The qualified names of ``model``'s first and last ``nn.Linear`` layers (None when it has none).
+
+    fp8 training keeps these two in high precision: the embedding-side and output-side projections
+    are the ones whose float8 rounding most often stops a model from converging.
+    """
+    import torch
+
+    first: str | None = None
+    last: str | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            first = name if first is None else first
+            last = name
+    return first, last
+
+
+def filter_linear_layers(module: Any, layer_name: str, first_layer_name: str | None,
+                         last_layer_name: str | None) -> bool:
+    """Whether torchao should convert ``module`` to float8: not the first or last linear layer, and, for
+    a linear layer, both dimensions multiples of 16 (float8 matmul kernels need that)."""
+    import torch
+
+    if isinstance(module, torch.nn.Linear) and (module.in_features % 16 or module.out_features % 16):
+        return False
+    return layer_name not in (first_layer_name, last_layer_name)
+
+
 def filter_first_and_last_linear_layers(module: Any, fqn: str) -> bool:
-    """torchao's ``module_filter_func``: convert a linear layer to float8 only when both its dimensions are
-    multiples of 16 (float8 matmuls need that). :func:`convert_model_to_fp8_ao` also keeps the model's
-    first and last linear layers in high precision, for stability."""
+    """A ``module_filter_func`` that only checks the float8 shape rule: ``module`` is an ``nn.Linear``
+    whose dimensions are both multiples of 16. :func:`convert_model_to_fp8_ao` also skips the model's
+    first and last linear layers (it knows the model; this function sees one layer)."""
     import torch
 
     if not isinstance(module, torch.nn.Linear):
@@ -120,8 +149,29 @@ def filter_first_and_last_linear_layers(module: Any, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+def ao_float8_config(recipe: AORecipeKwargs | None) -> Any:
+    """torchao's ``Float8LinearConfig`` for ``recipe``: its own ``config``, else torchao's default with the
+    recipe's ``pad_inner_dim`` / ``enable_fsdp_float8_all_gather`` switches (imports torchao)."""
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe is not None and recipe.config is not None:
+        return recipe.config
+    options = {}
+    if recipe is not None and recipe.pad_inner_dim is not None:
+        options["pad_inner_dim"] = bool(recipe.pad_inner_dim)
+    if recipe is not None and recipe.enable_fsdp_float8_all_gather is not None:
+        options["enable_fsdp_float8_all_gather"] = bool(recipe.enable_fsdp_float8_all_gather)
+    return Float8LinearConfig(**options)
+
+
 def convert_model_to_fp8_ao(model: Any, config: Any = None, module_filter_func: Callable[..., bool] | None = None) -> None:
     """Swap ``model``'s linear layers for torchao's float8 training layers, in place.
+
+    Args:
+        model: the module to convert.
+        config: a ``torchao.float8.Float8LinearConfig`` (torchao's default when None).
+        module_filter_func: ``(module, fqn) -> bool``; default: every linear layer but the first and
+            last whose dimensions are multiples of 16 (:func:`filter_linear_layers`).
 
     Raises:
         MissingDependencyError: torchao is not installed.
@@ -131,14 +181,11 @@ def convert_model_to_fp8_ao(model: Any, config: Any = None, module_filter_func: 
 
     if not is_torchao_available():
         raise MissingDependencyError("torchao", "fp8 training (`convert_model_to_fp8_ao`)")
-    import torch
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import convert_to_float8_training
 
-    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    edges = {linears[0], linears[-1]} if linears else set()
+    if module_filter_func is None:
+        first, last = find_first_last_linear_layers(model)
+        module_filter_func = functools.partial(filter_linear_layers, first_layer_name=first, last_layer_name=last)
+    convert_to_float8_training(model, config=config if config is not None else ao_float8_config(None),
+                               module_filter_fn=module_filter_func)
 
-    def default_filter(module: Any, fqn: str) -> bool:
-        return fqn not in edges and filter_first_and_last_linear_layers(module, fqn)
-
-    convert_to_float8_training(model, config=config or Float8LinearConfig(),
-                               module_filter_fn=module_filter_func or default_filter)
