@@ -29,8 +29,11 @@ sharding costs time on CPU; it buys the memory column. On GPUs (NCCL) the balanc
 N-D rows (``--nd``): 4 gloo ranks, the same model and batch per data-parallel rank; DDP on 4 ranks is
 the baseline, then FSDP2 (shard 4), HSDP (2 replicas x 2 shards), DDP x TP (2 x 2) and FSDP2 x TP
 (2 x 2), TP splitting each Block's ``up`` by columns and ``down`` by rows. The state column shows
-the sharding (ideal: total / (shard x tp) for the split parameters). No Accelerate rows: this
-project's environment does not install Accelerate (its 2-rank rows are skipped for the same reason).
+the sharding beside the ideal DDP state / (dp_shard x tp) (LayerNorms, row-wise biases and the head
+stay whole under TP: 0.1% of the parameters). Accelerate rows (if installed) run the same setups
+through Accelerate's own ``ParallelismConfig``; on CPU it cannot: with ``cpu=True`` its
+``ParallelismConfig`` refuses ``MULTI_CPU``, without it Accelerate counts 1 process, and its TP path
+needs transformers. Each such row prints Accelerate's own error.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_sharded.py --repeats 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_sharded.py --nd --repeats 1 --steps 5
@@ -216,6 +219,27 @@ def hasten_nd_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float
     return _loop(Accelerator(parallelism_config=config), steps, memory_run)
 
 
+def accelerate_nd_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float, float]:
+    """The same N-D setup through Accelerate's own ``ParallelismConfig`` (``cpu=True``: gloo on 4 ranks)."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+
+    replicate, shard, tp = ND_SETUPS[kind]
+    if (replicate, shard, tp) == (4, 1, 1):
+        return _loop(Accelerator(cpu=True), steps, memory_run)
+    try:
+        config = ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp)
+        accelerator = Accelerator(cpu=True, parallelism_config=config)
+        result = _loop(accelerator, steps, memory_run)
+    except Exception as exc:  # on CPU: cpu=True is MULTI_CPU, which ParallelismConfig refuses (see nd_main)
+        raise RuntimeError(f"not run: Accelerate raises {type(exc).__name__}: "
+                           f"{str(exc).strip().splitlines()[0][:220]}") from exc
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if str(accelerator.distributed_type) != "DistributedType.FSDP" and shard > 1:
+        raise RuntimeError(f"not run: Accelerate ran {accelerator.distributed_type} (mesh {mesh}), not FSDP2")
+    return result
+
+
 def accelerate_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float, float]:
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
 
@@ -325,22 +349,30 @@ def main() -> None:
 
 
 def nd_main(repeats: int, steps: int) -> None:
-    """The N-D rows: 4 ranks, step time and per-rank state vs DDP on 4 ranks."""
-    results: dict[str, list[Any]] = {name: [] for name in ND_SETUPS}
+    """The N-D rows: 4 ranks, step time and per-rank state vs DDP on 4 ranks, hasten beside Accelerate."""
+    setups: dict[str, tuple[Callable[..., Any], str]] = {f"hasten {k}": (hasten_nd_run, k) for k in ND_SETUPS}
+    if importlib.util.find_spec("accelerate") is not None:
+        setups.update({f"accelerate {k}": (accelerate_nd_run, k) for k in ND_SETUPS})
+    else:
+        print("accelerate is not installed: its rows are skipped")
+    results: dict[str, list[Any]] = {name: [] for name in setups}
     for _ in range(repeats):
-        for name in ND_SETUPS:
-            results[name].append(_measure(hasten_nd_run, name, steps, world_size=4))
+        for name, (fn, kind) in setups.items():  # interleaved, so machine drift hits every setup alike
+            results[name].append(_measure(fn, kind, steps, world_size=4))
     ok = {name: runs for name, runs in results.items() if all(isinstance(r, tuple) for r in runs)}
-    base, base_state = (statistics.median(r[i] for r in ok["ddp x4"]) for i in range(2))
+    base, base_state = (statistics.median(r[i] for r in ok["hasten ddp x4"]) for i in range(2))
     print(f"\n4 gloo ranks, {sum(p.numel() for p in Stack().parameters()) / 1e6:.1f}M parameters, AdamW, batch {BATCH} "
-          f"per data-parallel rank, {steps} steps, median of {repeats} runs (rank 0):")
-    print(f"  {'setup':28s} {'ms/step':>8s} {'vs ddp':>7s} {'state MB':>9s} {'vs ddp':>7s}")
+          f"per data-parallel rank, {steps} steps, median of {repeats} runs (rank 0). 'ideal' = DDP's state / "
+          "(dp_shard x tp): the target is within 5%.")
+    print(f"  {'setup':30s} {'ms/step':>8s} {'vs ddp':>7s} {'state MB':>9s} {'ideal MB':>9s} {'vs ideal':>9s}")
     for name, runs in results.items():
         if name not in ok:
-            print(f"  {name:28s} {next(r for r in runs if isinstance(r, str))}")
+            print(f"  {name:30s} {next(r for r in runs if isinstance(r, str))}")
             continue
+        _, shard, tp = ND_SETUPS[setups[name][1]]
         ms, state = (statistics.median(r[i] for r in runs) for i in range(2))
-        print(f"  {name:28s} {ms:8.2f} {ms / base:6.2f}x {state:9.1f} {state / base_state:6.2f}x")
+        ideal = base_state / (shard * tp)
+        print(f"  {name:30s} {ms:8.2f} {ms / base:6.2f}x {state:9.1f} {ideal:9.1f} {100 * (state / ideal - 1):+8.1f}%")
 
 
 if __name__ == "__main__":
