@@ -189,7 +189,7 @@ class AcceleratedScheduler:
             self.scheduler.step(*args, **kwargs)
             return
         if not self.gradient_state.sync_gradients:
-            if self.gradient_state.plugin_kwargs.get("adjust_scheduler", False):  # GradientState.adjust_scheduler
+            if self.gradient_state.adjust_scheduler:
                 self.scheduler._step_count += 1
             return
         for opt in self._skippable:

@@ -325,17 +325,13 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                                     accumulation_steps=self.gradient_accumulation_steps, **kwargs)
 
     def _do_sync(self) -> None:
-        # GradientState's properties read straight from its dictionaries: this runs on every micro-step.
         state = self.gradient_state
-        options = state.plugin_kwargs
-        loader = state._dataloader_references[-1]  # the active prepared loader (GradientState.active_dataloader)
-        if (loader is not None and options.get("sync_with_dataloader", True)
-                and getattr(loader, "end_of_dataloader", False)):
+        if state.sync_with_dataloader and state.end_of_dataloader:
             self.step = 0
-            state.sync_gradients = True
+            state._set_sync_gradients(True)
         else:
             self.step += 1
-            state.sync_gradients = self.step % options.get("num_steps", 1) == 0
+            state._set_sync_gradients(self.step % state.num_steps == 0)
 
     def accumulate(self, *models: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients over ``gradient_accumulation_steps`` micro-batches.

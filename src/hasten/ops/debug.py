@@ -46,15 +46,19 @@ def user_file(filename: str) -> str | None:
     return None if path.startswith((_HASTEN_DIR, _TORCH_DIR)) or "contextlib" in path else path
 
 
+def user_frame(frame: Any) -> Any:
+    """The first frame from ``frame`` outwards that is the user's code (not hasten, torch or contextlib), or None."""
+    while frame is not None and user_file(frame.f_code.co_filename) is None:
+        frame = frame.f_back
+    return frame
+
+
 def call_site() -> str:
     """``file:line in function`` of the first frame outside hasten and torch: the user's code."""
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        filename = user_file(frame.f_code.co_filename)
-        if filename is not None:
-            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "<unknown>"
+    frame = user_frame(sys._getframe(1))
+    if frame is None:
+        return "<unknown>"
+    return f"{user_file(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def enable_debug_checks(group: Any, timeout: timedelta) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hasten.ops.debug import describe, format_description, user_file
+from hasten.ops.debug import describe, format_description, user_file, user_frame
 
 DEFAULT_BOUND = timedelta(minutes=5)
 #: Exit status of a rank stopped by the watchdog (as ``timeout(1)`` uses for "timed out").
@@ -59,9 +59,7 @@ class _Tracker:
     def enter(self, name: str, data: Any = None) -> None:
         """Mark this rank as inside collective ``name`` (callers test ``enabled`` first)."""
         what = describe(data) if data is not None else None
-        frame: Any = sys._getframe(1)
-        while frame is not None and user_file(frame.f_code.co_filename) is None:
-            frame = frame.f_back
+        frame = user_frame(sys._getframe(1))
         site = (frame.f_code, frame.f_lasti) if frame is not None else None
         self.current = (name, what, site, time.monotonic())
         self.recent.append((name, what, site))
@@ -72,10 +70,9 @@ class _Tracker:
         self.last_end = time.monotonic()
 
 
-_TRACKER = _Tracker()
 #: This rank's tracker. Hot paths test ``TRACKER.enabled`` (True while a watchdog runs) and call
 #: ``TRACKER.enter(name)`` / ``TRACKER.exit()`` themselves, which costs less than ``with tracked(name)``.
-TRACKER = _TRACKER
+TRACKER = _Tracker()
 
 
 def _site_text(site: Any) -> str:
@@ -94,10 +91,10 @@ class _Tracked:
         self.name, self.data = name, data
 
     def __enter__(self) -> None:
-        _TRACKER.enter(self.name, self.data)
+        TRACKER.enter(self.name, self.data)
 
     def __exit__(self, *exc: Any) -> None:
-        _TRACKER.exit()
+        TRACKER.exit()
 
 
 class _Untracked:
@@ -115,7 +112,7 @@ _UNTRACKED = _Untracked()
 
 def tracked(name: str, data: Any = None) -> Any:
     """Context manager marking this rank as inside collective ``name`` (a no-op when no watchdog runs)."""
-    return _Tracked(name, data) if _TRACKER.enabled else _UNTRACKED
+    return _Tracked(name, data) if TRACKER.enabled else _UNTRACKED
 
 
 def _described(name: str, what: Any, site: Any) -> str:
@@ -143,27 +140,27 @@ class _Watchdog(threading.Thread):
             except Exception:  # noqa: BLE001 - the store is gone (run ending, or its host died): stop watching
                 if self.stopped.is_set():
                     return
-                current = _TRACKER.current
+                current = TRACKER.current
                 if current is not None and time.monotonic() - current[3] > self.bound:
                     self._finish(f"{self._first_line(self.rank)}\n  rank {self.rank}: {self._view()}\n"
                                  "  (the other ranks could not be asked: the process group's store is gone)")
 
     def _tick(self) -> None:
-        current = _TRACKER.current
+        current = TRACKER.current
         if current is not None and time.monotonic() - current[3] > self.bound:
             self.store.compare_set(_FLAG, "", str(self.rank))  # the first rank to notice is the one named
         if self.store.check([_FLAG]):
             self._report()
 
     def _view(self) -> str:
-        current = _TRACKER.current
+        current = TRACKER.current
         now = time.monotonic()
         if current is not None:
             name, what, site, start = current
             return f"in {_described(name, what, site)}, for {now - start:.1f} s"
         frame = sys._current_frames().get(self.main_ident) if self.main_ident is not None else None
         where = _user_line(frame)
-        return (f"not in a hasten collective; running {where} ({now - _TRACKER.last_end:.1f} s since its last "
+        return (f"not in a hasten collective; running {where} ({now - TRACKER.last_end:.1f} s since its last "
                 "collective ended)")
 
     def _first_line(self, noticed_by: int) -> str:
@@ -173,7 +170,7 @@ class _Watchdog(threading.Thread):
     def _report(self) -> None:
         noticed_by = int(self.store.get(_FLAG).decode() or self.rank)
         mine = self._view()
-        recent = [_described(*entry) for entry in _TRACKER.recent]
+        recent = [_described(*entry) for entry in TRACKER.recent]
         self.store.set(f"{_VIEW}{self.rank}", json.dumps({"now": mine, "recent": recent}))
         deadline = time.monotonic() + self.collect
         keys = [f"{_VIEW}{r}" for r in range(self.world)]
@@ -250,8 +247,8 @@ def start_watchdog(bound: timedelta) -> bool:
     except Exception:  # noqa: BLE001 - a store without clone(): the process group's timeout still bounds hangs
         return False
     watchdog = _Watchdog(store, dist.get_rank(), dist.get_world_size(), bound)
-    _TRACKER.enabled = True
-    _TRACKER.recent.clear()
+    TRACKER.enabled = True
+    TRACKER.recent.clear()
     _RUNNING["default"] = watchdog
     watchdog.start()
     return True
@@ -259,8 +256,8 @@ def start_watchdog(bound: timedelta) -> bool:
 
 def stop_watchdog() -> None:
     """Stop this rank's watchdog (before the process group and its store go away)."""
-    _TRACKER.enabled = False
-    _TRACKER.current = None
+    TRACKER.enabled = False
+    TRACKER.current = None
     watchdog = _RUNNING.pop("default", None)
     if watchdog is not None:
         watchdog.stopped.set()

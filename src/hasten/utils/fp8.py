@@ -133,8 +133,8 @@ def filter_linear_layers(module: Any, layer_name: str, first_layer_name: str | N
     a linear layer, both dimensions multiples of 16 (float8 matmul kernels need that)."""
     import torch
 
-    if isinstance(module, torch.nn.Linear) and (module.in_features % 16 or module.out_features % 16):
-        return False
+    if isinstance(module, torch.nn.Linear) and not filter_first_and_last_linear_layers(module, layer_name):
+        return False  # the float8 shape rule, kept in one place
     return layer_name not in (first_layer_name, last_layer_name)
 
 
