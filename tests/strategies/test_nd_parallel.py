@@ -70,6 +70,20 @@ def _full(accelerator: Accelerator, model: nn.Module) -> dict[str, torch.Tensor]
     return {k: v.detach().float().clone() for k, v in accelerator.get_state_dict(model).items()}
 
 
+def _read_through_mesh(accelerator: Accelerator, samples: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Read ``arange(samples)`` through a prepared loader (batch 2): (this rank's samples, every rank's,
+    what ``gather_for_metrics`` returned per batch)."""
+    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(samples).float(), batch_size=2))
+    seen, gathered = [], []
+    for batch in loader:
+        seen.append(batch)
+        gathered.append(accelerator.gather_for_metrics(batch))
+    mine = torch.cat(seen)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return mine, everyone, gathered
+
+
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys() and a
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -256,14 +270,7 @@ def test_data_follows_the_mesh_and_metrics_gather_each_sample_once():
     assert (accelerator.data_parallel_shard_rank, accelerator.tensor_parallel_rank) == (rank // 2, rank % 2)
     assert (accelerator.data_parallel_rank, accelerator.context_parallel_rank) == (0, 0)  # not in use: 0
     assert accelerator.is_composable_parallelism_enabled
-    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(10).float(), batch_size=2))
-    seen, gathered = [], []
-    for batch in loader:
-        seen.append(batch)
-        gathered.append(accelerator.gather_for_metrics(batch))
-    mine = torch.cat(seen)
-    everyone = [torch.empty_like(mine) for _ in range(4)]
-    dist.all_gather(everyone, mine)
+    mine, everyone, gathered = _read_through_mesh(accelerator, 10)
     assert torch.equal(everyone[0], everyone[1]) and torch.equal(everyone[2], everyone[3])  # TP pairs share
     assert not torch.equal(everyone[0], everyone[2])  # the two data-parallel ranks do not
     assert sorted(torch.cat(gathered).tolist()) == [float(i) for i in range(10)]  # once each, padding dropped
@@ -401,14 +408,7 @@ def test_hsdp_plus_tp_on_a_3d_mesh_matches_one_process_and_shards_data_over_dp_o
 
     # Data follows the mesh: the two ranks of a TP pair read the same batches, the 4 data-parallel ranks
     # different ones, and gather_for_metrics returns the 18 samples once each (padding to 4 x 3 x 2 dropped).
-    loader = accelerator.prepare(torch.utils.data.DataLoader(torch.arange(18).float(), batch_size=2))
-    seen, gathered = [], []
-    for batch in loader:
-        seen.append(batch)
-        gathered.append(accelerator.gather_for_metrics(batch))
-    mine = torch.cat(seen)
-    everyone = [torch.empty_like(mine) for _ in range(8)]
-    dist.all_gather(everyone, mine)
+    _mine, everyone, gathered = _read_through_mesh(accelerator, 18)
     for pair in range(4):
         assert torch.equal(everyone[2 * pair], everyone[2 * pair + 1])
     assert len({tuple(everyone[2 * pair].tolist()) for pair in range(4)}) == 4
