@@ -30,6 +30,7 @@ from hasten.config.plugins.fsdp_units import (
 )
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.strategies.base import CheckedState, Strategy, unwrap_common
+from hasten.strategies.fsdp2_gloo import tune_for_gloo, uses_gloo
 
 
 def _as_fsdp(model: nn.Module) -> Any:
@@ -200,6 +201,8 @@ class FSDP2Strategy(Strategy):
         # The root's parameters are needed again at the start of backward: FSDP's default (None) keeps
         # them gathered instead of freeing and re-gathering them at once.
         fully_shard(model, reshard_after_forward=None if reshard is True else reshard, **options)
+        if uses_gloo(self.device):
+            tune_for_gloo(model, units)
 
     # ------------------------------------------------------------------------------- the step
     @contextmanager
