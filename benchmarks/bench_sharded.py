@@ -23,8 +23,10 @@ engine also keeps copies the other rows do not have. Accelerate's DeepSpeed inte
 CPU gloo ranks (it counts one process while DeepSpeed sees the whole group): its rows say so.
 
 On gloo, all-gather and reduce-scatter are slower per byte than all-reduce (measured here: 33.6 MB
-all-reduce 31 ms, all-gather 46 ms, reduce-scatter 61 ms), and FSDP2 moves ~1.5x DDP's bytes, so
-sharding costs time on CPU; it buys the memory column. On GPUs (NCCL) the balance differs.
+all-reduce 31 ms, all-gather 46 ms, reduce-scatter 61 ms), FSDP2 moves ~1.5x DDP's bytes and on CPU
+runs every collective synchronously, so sharding costs time on CPU; it buys the memory column (hasten's
+gloo settings for FSDP2, ``strategies/fsdp2_gloo.py``, take ~10% off its step). On GPUs (NCCL) the
+balance differs.
 
 N-D rows (``--nd``): 4 gloo ranks, the same model and batch per data-parallel rank; DDP on 4 ranks is
 the baseline, then FSDP2 (shard 4), HSDP (2 replicas x 2 shards), DDP x TP (2 x 2) and FSDP2 x TP
