@@ -5,8 +5,7 @@ Public names are imported lazily so that ``import hasten`` (and ``hasten launch`
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hasten._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -49,13 +48,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hasten' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

@@ -8,18 +8,13 @@ are offered here, resolved lazily, so that ``hasten launch`` pays only for the l
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hasten._lazy import lazy_getattr
 
 _EXPORTS = {"notebook_launcher": "hasten.launchers.notebook", "debug_launcher": "hasten.launchers.notebook",
             "test_launch": "hasten.launchers.compat", "PrepareForLaunch": "hasten.launchers.compat"}
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hasten.launchers' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

@@ -7,8 +7,7 @@ never drags in (or cycles through) the rest of the library.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hasten._lazy import lazy_getattr
 
 _EXPORTS: dict[str, str] = {}
 
@@ -132,13 +131,7 @@ _add("hasten.big_modeling",
 )
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hasten.utils' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

@@ -10,9 +10,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from hasten._lazy import lazy_getattr
 from hasten.exceptions import DistributedOperationException as DistributedOperationException
 
 _EXPORTS: dict[str, str] = {}
@@ -29,13 +27,7 @@ for _module, _names in {
     _EXPORTS.update(dict.fromkeys(_names.split(), _module))
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hasten.utils.operations' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:
