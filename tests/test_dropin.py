@@ -177,8 +177,7 @@ def test_skip_data_loader_resumes_exactly():
 
 # ---------------------------------------------------------------------------------------- module paths
 def test_accelerate_internal_module_paths():
-    from hasten.accelerator import DistributedType, GeneralTracker, gather
-    from hasten.accelerator import PartialState as FromAccelerator
+    from hasten.accelerator import DistributedType, GeneralTracker, PartialState as FromAccelerator, gather
     from hasten.commands.config import config_command_parser, default_command_parser
     from hasten.commands.launch import launch_command_parser
     from hasten.commands.merge import merge_command, merge_command_parser

@@ -134,3 +134,15 @@ def test_import_is_light():
             "if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_type_checkers_see_every_lazy_export_of_hasten():
+    """``hasten/__init__.py``'s TYPE_CHECKING imports name exactly the lazy exports, from the same modules."""
+    import hasten
+
+    tree = ast.parse((SRC / "__init__.py").read_text())
+    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    typed = {alias.asname or alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
+             for alias in node.names}
+    assert typed == hasten._EXPORTS
+    assert all(alias.asname == alias.name for node in block.body for alias in node.names)  # explicit re-exports

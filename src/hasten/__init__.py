@@ -5,6 +5,8 @@ Public names are imported lazily so that ``import hasten`` (and ``hasten launch`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hasten._lazy import lazy_getattr
 
 __version__ = "0.1.0"
@@ -47,6 +49,52 @@ _EXPORTS = {
     "prepare_pippy": "hasten.inference",
 }
 
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names resolve on first use
+    from hasten.accelerator import Accelerator as Accelerator
+    from hasten.big_modeling import (
+        cpu_offload as cpu_offload,
+        cpu_offload_with_hook as cpu_offload_with_hook,
+        disk_offload as disk_offload,
+        dispatch_model as dispatch_model,
+        infer_auto_device_map as infer_auto_device_map,
+        init_empty_weights as init_empty_weights,
+        init_on_device as init_on_device,
+        load_checkpoint_and_dispatch as load_checkpoint_and_dispatch,
+        load_checkpoint_in_model as load_checkpoint_in_model,
+    )
+    from hasten.config.plugins.deepspeed import DeepSpeedPlugin as DeepSpeedPlugin
+    from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
+    from hasten.data import (
+        prepare_data_loader as prepare_data_loader,
+        skip_first_batches as skip_first_batches,
+    )
+    from hasten.inference import prepare_pippy as prepare_pippy
+    from hasten.launchers.notebook import (
+        debug_launcher as debug_launcher,
+        notebook_launcher as notebook_launcher,
+    )
+    from hasten.ops.random import synchronize_rng_states as synchronize_rng_states
+    from hasten.parallelism_config import ParallelismConfig as ParallelismConfig
+    from hasten.state import (
+        AcceleratorState as AcceleratorState,
+        GradientState as GradientState,
+        PartialState as PartialState,
+    )
+    from hasten.utils.dataclasses import (
+        AutocastKwargs as AutocastKwargs,
+        DataLoaderConfiguration as DataLoaderConfiguration,
+        DDPCommunicationHookType as DDPCommunicationHookType,
+        DistributedDataParallelKwargs as DistributedDataParallelKwargs,
+        DistributedType as DistributedType,
+        GradientAccumulationPlugin as GradientAccumulationPlugin,
+        GradScalerKwargs as GradScalerKwargs,
+        InitProcessGroupKwargs as InitProcessGroupKwargs,
+        ProfileKwargs as ProfileKwargs,
+        ProjectConfiguration as ProjectConfiguration,
+        TorchDynamoPlugin as TorchDynamoPlugin,
+    )
+    from hasten.utils.imports import is_rich_available as is_rich_available
+    from hasten.utils.memory import find_executable_batch_size as find_executable_batch_size
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 

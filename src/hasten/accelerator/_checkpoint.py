@@ -23,9 +23,14 @@ from torch.utils.hooks import RemovableHandle
 
 from hasten import ops
 from hasten.accelerator._base import AcceleratorBase
-from hasten.checkpointing import CheckpointError, capture_rng_state, restore_rng_state, sealing
-from hasten.checkpointing import files as ckpt
-from hasten.checkpointing import restore_checks as checks
+from hasten.checkpointing import (
+    CheckpointError,
+    capture_rng_state,
+    files as ckpt,
+    restore_checks as checks,
+    restore_rng_state,
+    sealing,
+)
 from hasten.checkpointing.manifest import my_share, read_manifest, verify_files
 from hasten.checkpointing.naming import (
     check_target,

@@ -162,8 +162,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
         return
     _refuse_unsafe_fork()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig
-    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig, elastic_launch
 
     port = _pick_port(use_port, master_addr, num_nodes == 1)
     rdzv_conf = dict(rdzv_conf or {})

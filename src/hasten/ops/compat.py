@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from hasten.exceptions import DistributedOperationError
 from hasten.ops.collectives import is_distributed
-from hasten.ops.debug import debug_checks_enabled
-from hasten.ops.debug import verify_operation as _verify
+from hasten.ops.debug import debug_checks_enabled, verify_operation as _verify
 from hasten.ops.tree import convert_to_fp32, recursively_apply
 
 

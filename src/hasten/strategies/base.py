@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hasten.checkpointing import files as ckpt
-from hasten.checkpointing import restore_checks as checks
+from hasten.checkpointing import files as ckpt, restore_checks as checks
 from hasten.environments import process_group
 from hasten.precision import Precision
 from hasten.utils.dataclasses import DistributedType

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hasten.checkpointing import dcp as sharded
-from hasten.checkpointing import files as ckpt
+from hasten.checkpointing import dcp as sharded, files as ckpt
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
 from hasten.config.plugins.fsdp_units import (
     build_wrap_policy,

@@ -55,7 +55,9 @@ def main(argv: list[str]) -> None:
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-    weights = [round(v, 6) for v in accelerator.unwrap_model(model).weight.flatten().tolist()]
+    trained = accelerator.unwrap_model(model)
+    assert isinstance(trained, nn.Linear)
+    weights = [round(v, 6) for v in trained.weight.flatten().tolist()]
     with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
         json.dump({"weights": weights, "world": accelerator.num_processes, "listening": listening,
                    "master": os.environ.get("MASTER_ADDR"), "host": os.uname().nodename}, f)
