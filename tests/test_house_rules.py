@@ -136,13 +136,16 @@ def test_import_is_light():
     assert out.stdout.strip() == "[]"
 
 
-def test_type_checkers_see_every_lazy_export_of_hasten():
-    """``hasten/__init__.py``'s TYPE_CHECKING imports name exactly the lazy exports, from the same modules."""
-    import hasten
+@pytest.mark.parametrize("facade", ["hasten", "hasten.utils", "hasten.utils.operations", "hasten.launchers"])
+def test_type_checkers_see_every_lazy_export(facade):
+    """A facade's TYPE_CHECKING imports name exactly its lazy exports, from the same modules."""
+    import importlib
 
-    tree = ast.parse((SRC / "__init__.py").read_text())
+    path = SRC.joinpath(*facade.split(".")[1:])
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    tree = ast.parse(path.read_text())
     block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
     typed = {alias.asname or alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
              for alias in node.names}
-    assert typed == hasten._EXPORTS
+    assert typed == importlib.import_module(facade)._EXPORTS
     assert all(alias.asname == alias.name for node in block.body for alias in node.names)  # explicit re-exports

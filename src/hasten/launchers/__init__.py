@@ -8,11 +8,19 @@ are offered here, resolved lazily, so that ``hasten launch`` pays only for the l
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hasten._lazy import lazy_getattr
 
 _EXPORTS = {"notebook_launcher": "hasten.launchers.notebook", "debug_launcher": "hasten.launchers.notebook",
             "test_launch": "hasten.launchers.compat", "PrepareForLaunch": "hasten.launchers.compat"}
 
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names resolve on first use
+    from hasten.launchers.compat import PrepareForLaunch as PrepareForLaunch, test_launch as test_launch
+    from hasten.launchers.notebook import (
+        debug_launcher as debug_launcher,
+        notebook_launcher as notebook_launcher,
+    )
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
