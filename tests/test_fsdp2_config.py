@@ -100,3 +100,18 @@ def test_to_fsdp2_command(tmp_path, capsys):
     assert main(["to-fsdp2", "--config_file", str(source), "--overwrite"]) == 0
     assert yaml.safe_load(source.read_text())["fsdp_config"]["fsdp_version"] == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_validate_mixed_precision_policy_reads_dtype_names_like_the_accelerator() -> None:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin = FullyShardedDataParallelPlugin(mixed_precision_policy={"param_dtype": "bf16", "reduce_dtype": "torch.float32",
+                                                                     "cast_forward_inputs": False})
+    plugin.validate_mixed_precision_policy()
+    assert plugin.mixed_precision_policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                                 cast_forward_inputs=False)
+    with pytest.raises(ConfigurationError, match="'bfloat17'.*bf16"):
+        FullyShardedDataParallelPlugin(mixed_precision_policy={"param_dtype": "bfloat17"}).validate_mixed_precision_policy()
+    with pytest.raises(ConfigurationError, match=r"\['param_type'\] are not MixedPrecisionPolicy fields"):
+        FullyShardedDataParallelPlugin(mixed_precision_policy={"param_type": "bf16"}).validate_mixed_precision_policy()

@@ -8,22 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hasten.exceptions import ConfigurationError
+from hasten.config.plugins.fsdp import policy_dtype, policy_from_fields
 from hasten.precision.base import Precision
 from hasten.utils.dataclasses import AutocastKwargs
-
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-_POLICY_FIELDS = {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"}
-
-
-def _dtype(value: Any) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    key = str(value).replace("torch.", "").lower()
-    if key not in _DTYPES:
-        raise ConfigurationError(f"mixed_precision_policy dtype {value!r}: use one of {sorted(_DTYPES)} or a torch.dtype.")
-    return _DTYPES[key]
 
 
 class FSDPPrecision(Precision):
@@ -100,13 +87,8 @@ class FSDPPrecision(Precision):
         if value is None or isinstance(value, MixedPrecisionPolicy):
             return value or MixedPrecisionPolicy()
         if isinstance(value, dict):
-            unknown = set(value) - _POLICY_FIELDS
-            if unknown:
-                raise ConfigurationError(f"mixed_precision_policy keys {sorted(unknown)} are not MixedPrecisionPolicy "
-                                         "fields (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).")
-            fields: dict[str, Any] = {k: (v if k == "cast_forward_inputs" else _dtype(v)) for k, v in value.items()}
-            return MixedPrecisionPolicy(**fields)
-        dtype = _dtype(value)
+            return policy_from_fields(value)
+        dtype = policy_dtype(value)
         if dtype == torch.float32:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -227,20 +227,13 @@ class FullyShardedDataParallelPlugin:
             self.mixed_precision_policy = None if str(mixed_precision) in ("no", "fp32", "None") else str(mixed_precision)
 
     def validate_mixed_precision_policy(self) -> None:
-        """Turn a dict ``mixed_precision_policy`` (dtype names allowed) into FSDP2's ``MixedPrecisionPolicy``."""
-        if not isinstance(self.mixed_precision_policy, dict):
-            return
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        """Turn a dict ``mixed_precision_policy`` (dtype names allowed) into FSDP2's ``MixedPrecisionPolicy``.
 
-        fields = {"param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"}
-        unknown = set(self.mixed_precision_policy) - fields
-        if unknown:
-            raise ConfigurationError(f"mixed_precision_policy keys {sorted(unknown)} are not MixedPrecisionPolicy "
-                                     f"fields ({sorted(fields)}).")
-        dtypes = {k: (getattr(torch, v) if isinstance(v, str) and k != "cast_forward_inputs" else v)
-                  for k, v in self.mixed_precision_policy.items()}
-        self.mixed_precision_policy = MixedPrecisionPolicy(**dtypes)
+        Raises:
+            ConfigurationError: unknown policy fields or dtype names.
+        """
+        if isinstance(self.mixed_precision_policy, Mapping):
+            self.mixed_precision_policy = policy_from_fields(self.mixed_precision_policy)
 
     def set_auto_wrap_policy(self, model: Any) -> UnitPolicy | None:
         """The unit policy ``policy(module, unwrapped_numel) -> bool`` of ``auto_wrap_policy`` for ``model``."""
@@ -249,6 +242,45 @@ class FullyShardedDataParallelPlugin:
     def offload_policy(self) -> Any:
         """The ``CPUOffloadPolicy`` object passed by the user, if any."""
         return self._extra.get("offload_policy")
+
+
+# ------------------------------------------------------------------------------ mixed precision policy
+# Names a config file or a dict may use for FSDP2's dtypes -> the torch dtype's attribute name.
+_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+_POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def policy_dtype(value: Any) -> Any:
+    """A ``torch.dtype`` from a dtype or its name (``"bf16"``, ``"bfloat16"``, ``"torch.float16"``...); None stays None.
+
+    Raises:
+        ConfigurationError: a name that is not one of the accepted dtypes.
+    """
+    import torch
+
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    key = str(value).replace("torch.", "").lower()
+    if key not in _DTYPE_NAMES:
+        raise ConfigurationError(f"mixed_precision_policy dtype {value!r}: use one of {sorted(_DTYPE_NAMES)} or a "
+                                 "torch.dtype.")
+    return getattr(torch, _DTYPE_NAMES[key])
+
+
+def policy_from_fields(fields: Mapping[str, Any]) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` from a mapping of its fields, dtypes given as dtypes or names.
+
+    Raises:
+        ConfigurationError: unknown fields or dtype names.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    unknown = set(fields) - set(_POLICY_FIELDS)
+    if unknown:
+        raise ConfigurationError(f"mixed_precision_policy keys {sorted(unknown)} are not MixedPrecisionPolicy fields "
+                                 f"({', '.join(_POLICY_FIELDS)}).")
+    return MixedPrecisionPolicy(**{k: (v if k == "cast_forward_inputs" else policy_dtype(v)) for k, v in fields.items()})
 
 
 # ------------------------------------------------------------------------------ launch configuration
