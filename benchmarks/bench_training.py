@@ -104,11 +104,9 @@ def build_plain(workload: str, distributed: bool, steps: int) -> Setup:
     return Setup(model, optimizer, loader, lambda loss: loss.backward(), barrier)
 
 
-def build_hasten(workload: str, distributed: bool, steps: int) -> Setup:
-    from hasten import Accelerator
-
+def _prepared(accelerator: Any, workload: str, steps: int) -> Setup:
+    """The workload's model, SGD optimizer and shuffled loader, prepared by ``accelerator`` (hasten's or Accelerate's)."""
     factory, shape, batch, _ = WORKLOADS[workload]
-    accelerator = Accelerator()
     torch.manual_seed(0)
     model = factory()
     data = _dataset(shape, batch * (steps + WARMUP + 1) * accelerator.num_processes)
@@ -116,21 +114,20 @@ def build_hasten(workload: str, distributed: bool, steps: int) -> Setup:
     loader = DataLoader(data, batch_size=batch, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     return Setup(model, optimizer, loader, accelerator.backward, accelerator.wait_for_everyone)
+
+
+def build_hasten(workload: str, distributed: bool, steps: int) -> Setup:
+    from hasten import Accelerator
+
+    return _prepared(Accelerator(), workload, steps)
 
 
 def build_accelerate(workload: str, distributed: bool, steps: int) -> Setup:
     from accelerate import Accelerator as HFAccelerator
 
-    factory, shape, batch, _ = WORKLOADS[workload]
     accelerator = HFAccelerator(cpu=True)  # without cpu=True it trains each rank alone on a CPU-only box
     assert accelerator.num_processes == (2 if distributed else 1)
-    torch.manual_seed(0)
-    model = factory()
-    data = _dataset(shape, batch * (steps + WARMUP + 1) * accelerator.num_processes)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(data, batch_size=batch, shuffle=True)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    return Setup(model, optimizer, loader, accelerator.backward, accelerator.wait_for_everyone)
+    return _prepared(accelerator, workload, steps)
 
 
 BUILDERS: dict[str, Callable[[str, bool, int], Setup]] = {

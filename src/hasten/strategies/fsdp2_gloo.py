@@ -2,9 +2,9 @@
 
 On CPU, FSDP2 has no streams to overlap with, so every all-gather and reduce-scatter runs synchronously
 in the training thread. Measured on 2 gloo ranks with the 8.4M-parameter model of
-``benchmarks/bench_sharded.py`` (8 wrapped blocks, AdamW; medians of 3 fresh runs, same machine):
-default FSDP2 ~290 ms/step, with both settings below ~240 ms/step (DDP ~135 ms/step). Losses are
-bitwise the same. Neither setting is used with another backend or device: there FSDP2 overlaps through
+``benchmarks/bench_sharded.py`` (8 wrapped blocks, AdamW; fresh runs interleaved, median of 5):
+default FSDP2 286 ms/step, with both settings 259 ms/step (DDP 151 ms/step). Losses are bitwise the
+same. Neither setting is used with another backend or device: there FSDP2 overlaps through
 streams and its own defaults are the right ones.
 
 1. **Reduce-scatter as one in-place all-reduce.** gloo's ``reduce_scatter_tensor`` clones its input,
