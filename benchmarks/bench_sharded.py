@@ -198,7 +198,14 @@ def hasten_run(kind: str, steps: int, memory_run: bool) -> tuple[float, float, f
 
         return _loop(Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_ds_config(kind))), steps, memory_run)
 
+    if kind == "fsdp2-stock":
+        # What strategies/fsdp2_gloo.py buys: the same FSDP2 run with FSDP2's own collectives on gloo
+        # (this forked rank only).
+        import hasten.strategies.fsdp2 as fsdp2_strategy
+
+        fsdp2_strategy.uses_gloo = lambda device: False
     plugins = {"ddp": None, "fsdp2": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]),
+               "fsdp2-stock": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"]),
                "fsdp2-keep": FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"],
                                                             reshard_after_forward=False)}
     return _loop(Accelerator(fsdp_plugin=plugins[kind]), steps, memory_run)
@@ -314,7 +321,8 @@ def main() -> None:
         return
     setups: dict[str, tuple[Callable[..., Any], str]] = {
         "hasten ddp": (hasten_run, "ddp"), "hasten fsdp2": (hasten_run, "fsdp2"),
-        "hasten fsdp2 (no reshard)": (hasten_run, "fsdp2-keep")}
+        "hasten fsdp2 (no reshard)": (hasten_run, "fsdp2-keep"),
+        "hasten fsdp2 (stock gloo comms)": (hasten_run, "fsdp2-stock")}
     has_deepspeed = importlib.util.find_spec("deepspeed") is not None  # not imported here: the ranks import it
     if has_deepspeed:
         setups.update({"hasten zero2": (hasten_run, "zero2"), "hasten zero3": (hasten_run, "zero3")})
@@ -338,16 +346,16 @@ def main() -> None:
     base_state = statistics.median(r[1] for r in ok["hasten ddp"])
     print(f"\n2 gloo ranks, {sum(p.numel() for p in Stack().parameters()) / 1e6:.1f}M parameters, AdamW, "
           f"batch {BATCH}/rank, {args.steps} steps, median of {args.repeats} runs (rank 0):")
-    print(f"  {'setup':28s} {'ms/step':>8s} {'vs ddp':>7s} {'state MB':>9s} {'vs ddp':>7s} {'peak RSS MB':>12s}")
+    print(f"  {'setup':32s} {'ms/step':>8s} {'vs ddp':>7s} {'state MB':>9s} {'vs ddp':>7s} {'peak RSS MB':>12s}")
     for name, runs in results.items():
         if name not in ok:
-            print(f"  {name:28s} {next(r for r in runs if isinstance(r, str))}")
+            print(f"  {name:32s} {next(r for r in runs if isinstance(r, str))}")
             continue
         ms, state = (statistics.median(r[i] for r in runs) for i in range(2))
         peak = memory[name][2] if isinstance(memory[name], tuple) else float("nan")
-        print(f"  {name:28s} {ms:8.2f} {ms / base:6.2f}x {state:9.1f} {state / base_state:6.2f}x {peak:12.1f}")
+        print(f"  {name:32s} {ms:8.2f} {ms / base:6.2f}x {state:9.1f} {state / base_state:6.2f}x {peak:12.1f}")
         if len(runs[0]) > 3:  # a setup that ran, but not as a consistent 2-process run of its library
-            print(f"  {'':28s} ({runs[0][3]}: DeepSpeed trained on both ranks, Accelerate's own counts are wrong)")
+            print(f"  {'':32s} ({runs[0][3]}: DeepSpeed trained on both ranks, Accelerate's own counts are wrong)")
 
 
 def nd_main(repeats: int, steps: int) -> None:
