@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 # OS packages some launch tests need (OpenMPI for mpirun; SLURM + munge for the 2-node cluster; iproute2
 # for the network-namespace machines). Best effort, root with apt-get only: the tests skip, naming what
 # is missing, where they cannot be installed. CI runs it before `make test` (.ci/run).
-SYSTEM_DEPS := mpirun:openmpi-bin slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge ip:iproute2
+SYSTEM_DEPS := mpirun:openmpi-bin slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge ip:iproute2 nft:nftables
 system-deps:
 	@missing=""; for pair in $(SYSTEM_DEPS); do command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \

@@ -113,6 +113,9 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
     ("-t", None, None, {"dest": "tee", "default": "0"}, "torchrun --tee."),
     ("--log_dir", None, None, {}, "torchrun log folder."),
     ("--use_mpi", None, None, {"action": "store_true"}, "Wrap the run in mpirun on this machine (no hostfile)."),
+    ("--check_network", None, None, {"action": "store_true"},
+     "Run only the network check of a multi-machine launch (on every machine, with the same flags), start no "
+     "worker. The script may be left out."),
 )
 
 
@@ -138,7 +141,8 @@ def build_launch_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                 options.setdefault("metavar", flag.lstrip("-").upper())
         options.setdefault("default", None)
         parser.add_argument(*_aliases(flag), help=text, **options)
-    parser.add_argument("training_script", help="The script (or module with -m) to run on every process.")
+    parser.add_argument("training_script", nargs="?", default="",
+                        help="The script (or module with -m) to run on every process.")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="Arguments of the script.")
     return parser
 
@@ -215,7 +219,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
                          num_cpu_threads_per_process=args.num_cpu_threads_per_process, rdzv_conf=args.rdzv_conf,
                          max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, role=args.role,
                          tee=args.tee, log_dir=args.log_dir, use_mpi=args.use_mpi, quiet=args.quiet,
-                         collective_timeout=args.collective_timeout)
+                         collective_timeout=args.collective_timeout, check_network=args.check_network)
 
 
 def launch_command(args: argparse.Namespace) -> int:
@@ -226,6 +230,9 @@ def launch_command(args: argparse.Namespace) -> int:
     from hasten.launchers.plan import build_plan
 
     try:
+        if not args.training_script and not args.check_network:
+            raise ConfigurationError("the training script is missing: `hasten launch [flags] script.py [args]` "
+                                     "(only --check_network runs without one).")
         if args.max_restarts < 0:
             raise ConfigurationError(f"--max_restarts={args.max_restarts} must be 0 or more.")
         if args.aws_access_key_id or args.aws_secret_access_key:
@@ -249,6 +256,12 @@ def launch_command(args: argparse.Namespace) -> int:
         print(f"hasten launch: {note}", file=sys.stderr)
     if args.dry_run:
         print(plan.describe())
+        return 0
+    if args.check_network and (plan.launcher != "torchrun" or plan.nnodes == 1):
+        why = ("a single-machine launch listens on loopback only" if plan.nnodes == 1 else
+               f"the {plan.launcher} launcher starts the workers itself; the check runs on launches with one "
+               "`hasten launch --num_machines N` per machine")
+        print(f"hasten launch: no network check to run: {why}.", file=sys.stderr)
         return 0
     return execute_plan(plan, options)
 

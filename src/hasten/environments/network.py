@@ -14,7 +14,8 @@ from hasten.exceptions import LaunchError
 LOOPBACK = "127.0.0.1"
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """True for ``localhost``, an empty host and every 127.x / ::1 address (a name is not resolved)."""
     if host in ("localhost", ""):
         return True
     try:
@@ -40,14 +41,14 @@ def bind_address(main_ip: str, num_machines: int) -> str:
     Raises:
         LaunchError: ``main_ip`` cannot be resolved or reached from any local interface.
     """
-    if num_machines == 1 and _is_loopback(main_ip):
+    if num_machines == 1 and is_loopback(main_ip):
         return LOOPBACK
     try:
         target = socket.gethostbyname(main_ip)
     except OSError as exc:
         raise LaunchError(f"--main_process_ip {main_ip!r} cannot be resolved ({exc}). HINT: pass the IP address of "
                           "the main machine.") from exc
-    if _is_loopback(target) or target in local_addresses():
+    if is_loopback(target) or target in local_addresses():
         return target
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
@@ -69,3 +70,41 @@ def gloo_interface_for(master_addr: str, single_machine: bool) -> str | None:
         return interface_of(bind_address(master_addr, 1 if single_machine else 2))
     except (LaunchError, OSError):
         return None
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """Interface name -> its IPv4 addresses (an empty list for an interface without one)."""
+    import psutil
+
+    return {name: [a.address for a in addrs if a.family == socket.AF_INET]
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def interface_is_up(name: str) -> bool:
+    """True when the interface ``name`` exists and is administratively up."""
+    import psutil
+
+    stats = psutil.net_if_stats().get(name)
+    return bool(stats and stats.isup)
+
+
+def nccl_interfaces(spec: str, names: list[str]) -> list[str]:
+    """The interfaces of ``names`` that ``NCCL_SOCKET_IFNAME=spec`` selects, with NCCL's rules.
+
+    ``eth,ib`` selects names starting with ``eth`` or ``ib``; a leading ``^`` excludes those prefixes
+    instead; a leading ``=`` (after any ``^``) makes the names exact.
+
+    Example:
+        >>> nccl_interfaces("^docker,lo", ["lo", "docker0", "eth0"])
+        ['eth0']
+    """
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    spec = spec[1:] if exact else spec
+    wanted = [part for part in spec.split(",") if part]
+
+    def matches(name: str) -> bool:
+        return any(name == part if exact else name.startswith(part) for part in wanted)
+
+    return [name for name in names if matches(name) != exclude]

@@ -54,6 +54,8 @@ class LaunchOptions:
     use_mpi: bool = False
     quiet: bool = False
     collective_timeout: float | None = None
+    #: run only the network check of a multi-machine launch (``--check_network``), no workers
+    check_network: bool = False
 
 
 @dataclass
@@ -126,6 +128,8 @@ def worker_command(options: LaunchOptions, bootstrap: bool = False) -> list[str]
     if options.module and options.no_python:
         raise ConfigurationError("--module and --no_python cannot be used together: -m runs a Python module "
                                  "with the interpreter, --no_python runs an executable without it.")
+    if options.check_network and not options.script:
+        return []  # --check_network alone starts no worker
     if not options.module and not options.no_python and not Path(options.script).is_file():
         raise ConfigurationError(f"The training script {options.script!r} does not exist. HINT: check the path "
                                  "(relative to the current folder), or pass -m/--module to run a module.")

@@ -17,6 +17,9 @@ from hasten.exceptions import LaunchError
 from hasten.launchers.plan import HANG_EXIT_CODE, WORKER_MODULE, LaunchOptions, LaunchPlan
 from hasten.utils.environment import patch_environment
 
+#: ``hasten launch``'s exit status when the network check failed (as when the machines could not meet).
+NETWORK_CHECK_EXIT_CODE = 1
+
 
 def torchrun_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
     """The ``torch.distributed.run`` arguments for ``plan`` (what ``torchrun`` would be given).
@@ -83,6 +86,10 @@ def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
         try:
             if hosts_store:
                 stack.enter_context(store_server(plan.bind_addr, plan.master_port))
+            if plan.nnodes > 1:
+                failed = _network_check(plan, options)
+                if failed is not None or options.check_network:
+                    return failed or 0
             run(args)
         except ChildFailedError as exc:
             return _report_failure(exc, options.quiet)
@@ -100,6 +107,23 @@ def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
             print(f"hasten launch: error: {exc}", file=sys.stderr)
             return 2
     return 0
+
+
+def _network_check(plan: LaunchPlan, options: LaunchOptions) -> int | None:
+    """Multi-machine launches: check the network before the rendezvous; the exit code if it failed, else None."""
+    from hasten.launchers.netcheck import NetworkCheckFailed, check_network, describe, rendezvous_timeout
+
+    endpoint = f"{plan.master_addr}:{plan.master_port}"
+    print(f"hasten launch: checking the network: machine {plan.node_rank} of {plan.nnodes}, rendezvous {endpoint}, "
+          f"advertising {plan.bind_addr}", file=sys.stderr, flush=True)
+    try:
+        peers = check_network(plan.bind_addr, plan.master_addr, plan.master_port, plan.node_rank, plan.nnodes,
+                              os.environ, rendezvous_timeout(plan.rdzv_conf))
+    except NetworkCheckFailed as exc:
+        print(f"hasten launch: network check failed: {exc}", file=sys.stderr, flush=True)
+        return NETWORK_CHECK_EXIT_CODE
+    print(f"hasten launch: {describe(peers, endpoint)}", file=sys.stderr, flush=True)
+    return None
 
 
 def _report_failure(exc: Exception, quiet: bool) -> int:

@@ -1,0 +1,189 @@
+"""The network check before the first collective, on namespaced machines (one network namespace each).
+
+Each misconfiguration must stop every machine with one line naming the machine, the address/port and the
+fix, within 10 s of the last machine starting the check; never a hang. Needs root and iproute2; the
+firewall cases also need nftables (`make system-deps`). Skipped with the reason otherwise.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import hasten.testing
+from hasten.testing.netns import netns_unavailable, simulated_machines
+
+pytestmark = [pytest.mark.launch]
+_WHY_NOT = netns_unavailable()
+needs_netns = pytest.mark.skipif(_WHY_NOT is not None, reason=f"simulated machines unavailable: {_WHY_NOT}")
+needs_nft = pytest.mark.skipif(shutil.which("nft") is None, reason="nftables (`nft`) is not installed: make system-deps")
+
+TRAIN = str(Path(hasten.testing.__file__).parent / "scripts" / "regression_train.py")
+PORT = "29521"  # fixed ports are safe: each test's namespaces are new and hold nothing else
+START = "hasten launch: checking the network"
+FAILED = "hasten launch: network check failed: "
+
+
+def _env(tmp_path, **extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HASTEN_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path),
+               PYTHONUNBUFFERED="1")
+    env.pop("GLOO_SOCKET_IFNAME", None)  # each launcher must find its machine's interface itself
+    env.update(extra)
+    return env
+
+
+def _argv(count, rank, main_ip, tmp_path, extra=()):
+    """A real training launch: the check must stop it before any worker starts (else it trains)."""
+    return [sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_machines", str(count),
+            "--machine_rank", str(rank), "--num_processes", str(2 * count), "--main_process_ip", main_ip,
+            "--main_process_port", PORT, *extra, TRAIN, str(tmp_path / "out"), "8", "-1"]
+
+
+class _Watched:
+    """A launcher in a namespace whose output lines are time-stamped as they arrive."""
+
+    def __init__(self, machine, argv, env):
+        self.proc = machine.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: list[tuple[float, str]] = []
+        self.ended = 0.0
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+        self.ended = time.monotonic()  # end of output: the launcher exited
+
+    def finish(self, timeout):
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.reader.join(timeout=30)
+        return self.proc.returncode
+
+    @property
+    def output(self):
+        return "\n".join(line for _, line in self.lines)
+
+    def started_check(self):
+        return next(t for t, line in self.lines if line.startswith(START))
+
+    def failures(self):
+        return [line[len(FAILED):] for _, line in self.lines if line.startswith(FAILED)]
+
+
+def _run(machines, argvs, envs, timeout=90):
+    watched = [_Watched(m, argv, env) for m, argv, env in zip(machines, argvs, envs)]
+    codes = [w.finish(timeout) for w in watched]
+    return codes, watched
+
+
+def _nft(machine, rule):
+    for command in ("add table inet hx", "add chain inet hx input { type filter hook input priority 0; }", rule):
+        subprocess.run(machine.command(["nft", command]), check=True, capture_output=True, timeout=30)
+
+
+def _assert_all_stop_with(codes, watched, *expected):
+    outputs = "\n---\n".join(w.output for w in watched)
+    assert codes == [1] * len(watched), outputs
+    for w in watched:
+        assert len(w.failures()) == 1, w.output  # one line, on every machine
+        line = w.failures()[0]
+        for part in expected:
+            assert part in line, line
+    last_start = max(w.started_check() for w in watched)
+    stopped = max(w.ended for w in watched) - last_start
+    print(f"network check: every machine stopped {stopped:.1f} s after the last one started the check")
+    assert stopped < 10, outputs
+    out = Path(watched[0].proc.args[-3])  # the training script's output folder: no worker ever wrote there
+    assert not out.exists() or not list(out.iterdir()), outputs
+
+
+@needs_netns
+def test_check_network_alone_passes_on_a_good_setup_and_starts_no_worker(tmp_path):
+    with simulated_machines(3) as machines:
+        argvs = [[sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_machines", "3",
+                  "--machine_rank", str(rank), "--main_process_ip", machines[0].ip, "--main_process_port", PORT,
+                  "--check_network"] for rank in range(3)]
+        codes, watched = _run(machines, argvs, [_env(tmp_path)] * 3)
+    outputs = "\n---\n".join(w.output for w in watched)
+    assert codes == [0, 0, 0], outputs
+    for w in watched:
+        passed = [line for _, line in w.lines if "network check passed" in line]
+        assert len(passed) == 1, w.output
+        for rank, machine in enumerate(machines):
+            assert f"{rank}: {machine.ip} on {machine.interface}" in passed[0]
+
+
+@needs_netns
+def test_a_loopback_main_address_stops_every_machine(tmp_path):
+    with simulated_machines(2) as machines:
+        codes, watched = _run(machines, [_argv(2, r, "127.0.0.1", tmp_path) for r in range(2)], [_env(tmp_path)] * 2)
+    _assert_all_stop_with(codes, watched, "would advertise the loopback address 127.0.0.1",
+                          "--main_process_ip 127.0.0.1 is a loopback address", "HINT: pass --main_process_ip")
+
+
+@needs_netns
+@pytest.mark.parametrize("interface", ["lo", "eth7"], ids=["loopback-interface", "missing-interface"])
+def test_a_wrong_gloo_interface_on_one_machine_stops_every_machine(tmp_path, interface):
+    with simulated_machines(2) as machines:
+        envs = [_env(tmp_path), _env(tmp_path, GLOO_SOCKET_IFNAME=interface)]
+        codes, watched = _run(machines, [_argv(2, r, machines[0].ip, tmp_path) for r in range(2)], envs)
+    reason = "carries only the loopback address 127.0.0.1" if interface == "lo" else "has no interface 'eth7'"
+    _assert_all_stop_with(codes, watched, f"GLOO_SOCKET_IFNAME={interface}: ", "machine 1", reason,
+                          f"HINT: set GLOO_SOCKET_IFNAME={machines[1].interface}")
+
+
+@needs_netns
+def test_an_interface_the_peers_cannot_reach_stops_every_machine(tmp_path):
+    with simulated_machines(2) as machines:
+        second = machines[1]
+        # A second network on machine 1 only (a veth pair with both ends inside it): machine 0 has no route there.
+        for step in (["link", "add", "side0", "type", "veth", "peer", "name", "side1"],
+                     ["addr", "add", "10.99.0.2/24", "dev", "side0"], ["link", "set", "side0", "up"],
+                     ["link", "set", "side1", "up"]):
+            subprocess.run(["ip", "-n", second.name, *step], check=True, capture_output=True, timeout=30)
+        envs = [_env(tmp_path), _env(tmp_path, GLOO_SOCKET_IFNAME="side0")]
+        codes, watched = _run(machines, [_argv(2, r, machines[0].ip, tmp_path) for r in range(2)], envs)
+    _assert_all_stop_with(codes, watched, "machine 0 (", "cannot reach machine 1", "at 10.99.0.2:",
+                          "(interface side0)", "HINT: on machine 1", "set GLOO_SOCKET_IFNAME")
+
+
+@needs_netns
+@needs_nft
+def test_a_firewall_dropping_connections_to_a_machine_stops_every_machine(tmp_path):
+    with simulated_machines(2) as machines:
+        # Machine 1 drops every incoming connection attempt (its own connections out still work).
+        _nft(machines[1], "add rule inet hx input tcp flags & (syn | ack) == syn drop")
+        codes, watched = _run(machines, [_argv(2, r, machines[0].ip, tmp_path) for r in range(2)],
+                              [_env(tmp_path)] * 2)
+    _assert_all_stop_with(codes, watched, "machine 0 (", "cannot reach machine 1", f"at {machines[1].ip}:",
+                          "no answer", "a firewall", "HINT: allow TCP between the machines")
+
+
+@needs_netns
+@needs_nft
+def test_a_dropped_rendezvous_port_stops_the_machine_that_cannot_reach_it(tmp_path):
+    with simulated_machines(2) as machines:
+        _nft(machines[0], f"add rule inet hx input iifname {machines[0].interface} tcp dport {PORT} drop")
+        argvs = [_argv(2, r, machines[0].ip, tmp_path, ["--rdzv_conf", "timeout=12"]) for r in range(2)]
+        codes, watched = _run(machines, argvs, [_env(tmp_path)] * 2)
+    outputs = "\n---\n".join(w.output for w in watched)
+    assert codes == [1, 1], outputs
+    blocked, main = watched[1], watched[0]
+    assert blocked.failures() == [blocked.failures()[0]] and len(main.failures()) == 1, outputs
+    line = blocked.failures()[0]
+    for part in ("machine 1 (", f"gets no answer from the rendezvous endpoint {machines[0].ip}:{PORT}",
+                 f"a firewall drops TCP port {PORT}", "HINT: allow TCP"):
+        assert part in line, line
+    assert blocked.ended - blocked.started_check() < 10, outputs
+    # Machine 0 cannot be told (nothing reaches it): it stops at the rendezvous timeout, naming the cause.
+    assert f"the machines could not meet at {machines[0].ip}:{PORT}: machine(s) 1 did not arrive" in main.failures()[0]
+    assert "a firewall" in main.failures()[0]
