@@ -187,3 +187,46 @@ def test_a_dropped_rendezvous_port_stops_the_machine_that_cannot_reach_it(tmp_pa
     # Machine 0 cannot be told (nothing reaches it): it stops at the rendezvous timeout, naming the cause.
     assert f"the machines could not meet at {machines[0].ip}:{PORT}: machine(s) 1 did not arrive" in main.failures()[0]
     assert "a firewall" in main.failures()[0]
+
+
+def test_nccl_interface_selection_follows_nccl_rules():
+    from hasten.environments.network import nccl_interfaces
+
+    names = ["lo", "docker0", "eth0", "eth10", "ib0"]
+    assert nccl_interfaces("eth", names) == ["eth0", "eth10"]
+    assert nccl_interfaces("=eth0", names) == ["eth0"]
+    assert nccl_interfaces("^docker,lo", names) == ["eth0", "eth10", "ib0"]
+    assert nccl_interfaces("^=eth0", names) == ["lo", "docker0", "eth10", "ib0"]
+
+
+def test_an_nccl_interface_that_selects_nothing_is_a_problem():
+    import psutil
+
+    from hasten.launchers.netcheck import collective_address
+
+    found = next(((n, a.address) for n, addrs in psutil.net_if_addrs().items() for a in addrs
+                  if a.family == 2 and not a.address.startswith("127.")), None)
+    if found is None:
+        pytest.skip("this machine has no non-loopback IPv4 interface")
+    name, address = found
+    _, _, problem = collective_address(address, address, 0, {"NCCL_SOCKET_IFNAME": "=nosuch9"})
+    assert "NCCL_SOCKET_IFNAME==nosuch9: on machine 0" in problem and "selected: none" in problem
+    assert "HINT: set NCCL_SOCKET_IFNAME" in problem
+    assert collective_address(address, address, 0, {"NCCL_SOCKET_IFNAME": name})[2] is None
+
+
+def test_the_check_waits_as_long_as_the_rendezvous():
+    from hasten.launchers.netcheck import rendezvous_timeout
+
+    assert rendezvous_timeout("") == 600
+    assert rendezvous_timeout("timeout=12") == 12
+    assert rendezvous_timeout("is_host=1,join_timeout=30") == 30
+
+
+def test_check_network_on_one_machine_has_nothing_to_check_and_a_launch_needs_a_script(tmp_path):
+    main = [sys.executable, "-m", "hasten.commands.main", "launch"]
+    alone = subprocess.run([*main, "--cpu", "--check_network"], env=_env(tmp_path), capture_output=True, text=True,
+                           timeout=120)
+    assert alone.returncode == 0 and "no network check to run: a single-machine launch" in alone.stderr
+    missing = subprocess.run([*main, "--cpu"], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "the training script is missing" in missing.stderr
