@@ -75,6 +75,10 @@ CHANGES: dict[str, tuple[dict[str, Any], list[str] | None]] = {
     "tpu_vm": ({"tpu_vm": ["vm1"]}, ["--vm", "vm1"]),
     "tpu_env": ({"tpu_env": ["A=1"]}, ["--env", "A=1"]),
     "use_parallelism_config": ({"use_parallelism_config": True}, ["--use_parallelism_config"]),
+    "min_machines": ({"min_machines": 2, "num_machines": 3, "num_processes": 3, "main_process_ip": "10.0.0.2",
+                      "use_cpu": True, "main_process_port": 29558},
+                     ["--num_machines", "2:3", "--num_processes", "3", "--main_process_ip", "10.0.0.2", "--cpu",
+                      "--main_process_port", "29558"]),
 }
 
 

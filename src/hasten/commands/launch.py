@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hasten.config.schema import DEEPSPEED_KEYS, FSDP_KEYS
+from hasten.launchers.plan import ELASTIC_RESTARTS
 
 DYNAMO_BACKENDS = ["no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser", "cudagraphs", "ofi",
                    "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once",
@@ -38,7 +39,8 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
     ("--mixed_precision", "mixed_precision", None, {"choices": ["no", "fp16", "bf16", "fp8"]},
      "Mixed precision for the workers."),
     ("--num_processes", "num_processes", None, {"type": int}, "Total number of processes (all machines)."),
-    ("--num_machines", "num_machines", None, {"type": int}, "Number of machines."),
+    ("--num_machines", "num_machines", None, {"metavar": "N|MIN:MAX"},
+     "Number of machines, or MIN:MAX for an elastic run (c10d): machines may leave while MIN remain, and join."),
     ("--machine_rank", "machine_rank", None, {"type": int}, "Rank of this machine (0 = main)."),
     ("--main_process_ip", "main_process_ip", None, {}, "Address of the main machine."),
     ("--main_process_port", "main_process_port", None, {"type": int},
@@ -104,7 +106,8 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
     ("--aws_secret_access_key", None, None, {}, "SageMaker (refused)."),
     ("--num_cpu_threads_per_process", None, None, {"type": int}, "OMP_NUM_THREADS of each worker."),
     ("--rdzv_conf", None, None, {"default": ""}, "Extra rendezvous settings: key=value,key2=value2."),
-    ("--max_restarts", None, None, {"type": int, "default": 0}, "Restart the worker group up to N times."),
+    ("--max_restarts", None, None, {"type": int},
+     f"Restart the worker group up to N times (default 0; {ELASTIC_RESTARTS} with --num_machines MIN:MAX)."),
     ("--collective_timeout", None, None, {"type": float},
      "Seconds a rank may wait in one collective before every rank reports what it was doing and the run stops "
      "(default 300; InitProcessGroupKwargs(timeout=...) in the script takes precedence)."),
@@ -184,6 +187,10 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             changes[key] = value
     if changes.get("use_cpu") and changes.get("distributed_type") == "MULTI_GPU":
         raise _conflict("--cpu", "--multi_gpu")
+    if "num_machines" in changes:
+        from hasten.config.schema import parse_machine_count
+
+        changes["min_machines"], changes["num_machines"] = parse_machine_count(changes["num_machines"])
     return changes
 
 
@@ -233,7 +240,7 @@ def launch_command(args: argparse.Namespace) -> int:
         if not args.training_script and not args.check_network:
             raise ConfigurationError("the training script is missing: `hasten launch [flags] script.py [args]` "
                                      "(only --check_network runs without one).")
-        if args.max_restarts < 0:
+        if args.max_restarts is not None and args.max_restarts < 0:
             raise ConfigurationError(f"--max_restarts={args.max_restarts} must be 0 or more.")
         if args.aws_access_key_id or args.aws_secret_access_key:
             raise ConfigurationError("--aws_access_key_id/--aws_secret_access_key are for Amazon SageMaker launches, "

@@ -153,6 +153,9 @@ class LaunchConfig:
     tpu_env: list[str] | None = field(default=None, metadata=_kind("list"))
     # None = not set, so files hasten writes stay readable by Accelerate versions without the key.
     use_parallelism_config: bool | None = field(default=None, metadata=_kind("bool"))
+    # hasten's own key (``--num_machines MIN:MAX``): the run goes on while at least this many machines
+    # remain; None = a fixed set of num_machines (the file stays Accelerate's when it is not set).
+    min_machines: int | None = field(default=None, metadata=_kind("int"))
 
     # ------------------------------------------------------------------------------------ conversion
     @classmethod
@@ -237,6 +240,9 @@ class LaunchConfig:
             raise ConfigurationError(
                 f"{source}: machine_rank={self.machine_rank} must be in 0..{self.num_machines - 1} because "
                 f"num_machines={self.num_machines}. HINT: number the machines 0, 1, ... and pass --machine_rank.")
+        if self.min_machines is not None and not 1 <= self.min_machines <= self.num_machines:
+            raise ConfigurationError(f"{source}: min_machines={self.min_machines} must be in 1..num_machines="
+                                     f"{self.num_machines}. HINT: --num_machines MIN:MAX with MIN <= MAX.")
         if self.main_process_port is not None and not 0 <= self.main_process_port <= 65535:
             raise ConfigurationError(f"{source}: main_process_port={self.main_process_port} is not a TCP port "
                                      "(0..65535; 0 picks a free one).")
@@ -339,3 +345,24 @@ def _plain(value: Any) -> Any:
     if isinstance(value, list):
         return [_plain(v) for v in value]
     return value
+
+
+def parse_machine_count(text: str) -> tuple[int | None, int]:
+    """``--num_machines``: ``"N"`` -> ``(None, N)``; ``"MIN:MAX"`` -> ``(MIN, MAX)`` (an elastic run).
+
+    Raises:
+        ConfigurationError: not a count or a ``MIN:MAX`` pair of counts.
+
+    Example:
+        >>> parse_machine_count("2:3"), parse_machine_count("4")
+        ((2, 3), (None, 4))
+    """
+    low, sep, high = str(text).partition(":")
+    try:
+        counts = (int(low), int(high)) if sep else (None, int(low))
+    except ValueError:
+        raise ConfigurationError(f"--num_machines {text!r} must be a number of machines N or a range MIN:MAX "
+                                 "(for example 2:4: go on while at least 2 of up to 4 machines remain).") from None
+    if counts[0] is not None and counts[0] == counts[1]:
+        return None, counts[1]
+    return counts

@@ -263,7 +263,7 @@ def _store_client(master_addr: str, port: int, rank: int) -> Any:
 
 
 def check_network(bind_addr: str, master_addr: str, port: int, rank: int, nnodes: int,
-                  env: Mapping[str, str], timeout: float) -> list[PeerInfo]:
+                  env: Mapping[str, str], timeout: float, meet: bool = True) -> list[PeerInfo]:
     """Run the check on this machine; return every machine's :class:`PeerInfo` when all is well.
 
     Args:
@@ -272,6 +272,8 @@ def check_network(bind_addr: str, master_addr: str, port: int, rank: int, nnodes
         rank: this machine's rank; ``nnodes``: the number of machines.
         env: the launcher's environment (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``).
         timeout: seconds the machines may take to arrive (the rendezvous timeout).
+        meet: probe the other machines too. False for ``--num_machines MIN:MAX``, where machines come and
+            go (then only this machine's settings and the endpoint are checked, and only it is returned).
 
     Raises:
         NetworkCheckFailed: one line naming the machine, the address/port and the likely fix.
@@ -286,6 +288,10 @@ def check_network(bind_addr: str, master_addr: str, port: int, rank: int, nnodes
         if problem:
             raise NetworkCheckFailed(problem) from None  # this machine's own mistake explains it better
         raise
+    if not meet:
+        if problem:
+            raise NetworkCheckFailed(problem)
+        return [PeerInfo(rank, socket.gethostname(), address, 0, interface)]
     meeting = _Meeting(_store_client(master_addr, port, rank), rank, nnodes, f"{master_addr}:{port}")
     try:
         return _meet(meeting, address, interface, problem, deadline)
@@ -323,8 +329,12 @@ def _meet(meeting: _Meeting, address: str, interface: str, problem: str | None, 
     return peers
 
 
-def describe(peers: list[PeerInfo], endpoint: str) -> str:
+def describe(peers: list[PeerInfo], endpoint: str, met: bool = True) -> str:
     """One line: the machines that passed, where their collectives listen."""
+    if not met:
+        me = peers[0]
+        return (f"network check passed on {me}: it reaches the rendezvous {endpoint} and its collectives will listen "
+                f"on {me.address} ({me.interface}); with MIN:MAX machines the peers are not probed")
     shown = ", ".join(f"{p.rank}: {p.address} on {p.interface}" for p in peers[:8])
     more = f", ... ({len(peers)} in all)" if len(peers) > 8 else ""
     return f"network check passed: {len(peers)} machines reach the rendezvous {endpoint} and each other ({shown}{more})"

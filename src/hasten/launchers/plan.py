@@ -24,6 +24,8 @@ from hasten.exceptions import ConfigurationError
 from hasten.launchers.affinity import check_affinity_supported
 
 DEFAULT_PORT = 29500
+#: Worker group restarts allowed by default with ``--num_machines MIN:MAX`` (each machine lost uses one).
+ELASTIC_RESTARTS = 3
 #: A worker's exit status when hasten's hang watchdog stopped it (``hasten.ops.watchdog.HANG_EXIT_CODE``;
 #: repeated here so that planning a launch does not import torch).
 HANG_EXIT_CODE = 124
@@ -46,7 +48,8 @@ class LaunchOptions:
     no_python: bool = False
     num_cpu_threads_per_process: int | None = None
     rdzv_conf: str = ""
-    max_restarts: int = 0
+    #: None: 0, or ELASTIC_RESTARTS with ``--num_machines MIN:MAX`` (machines that leave use restarts)
+    max_restarts: int | None = None
     monitor_interval: float = 0.1
     role: str = "default"
     tee: str = "0"
@@ -77,6 +80,10 @@ class LaunchPlan:
     mesh: str | None = None
     #: the local address the launcher and workers listen on (decided at launch: loopback on one machine)
     bind_addr: str = ""
+    #: ``--num_machines MIN:MAX``: the fewest machines the run goes on with (``nnodes`` is MAX); None: fixed
+    min_nnodes: int | None = None
+    #: worker group restarts before the launch gives up (torchrun's ``--max_restarts``)
+    max_restarts: int = 0
 
     @property
     def num_processes(self) -> int:
@@ -87,9 +94,12 @@ class LaunchPlan:
         if self.launcher == "slurm-task":
             shape = "one per SLURM task"
         else:
-            shape = (f"{self.nproc_per_node} per machine x {self.nnodes} machine{'s' if self.nnodes > 1 else ''}, "
+            machines = f"{self.min_nnodes}..{self.nnodes}" if self.min_nnodes else str(self.nnodes)
+            shape = (f"{self.nproc_per_node} per machine x {machines} machine{'s' if self.nnodes > 1 else ''}, "
                      f"this is machine {self.node_rank}")
-        lines = [f"launcher:      {self.launcher}", f"processes:     {self.num_processes} ({shape})"]
+        count = f"{self.nproc_per_node * self.min_nnodes}..{self.num_processes}" if self.min_nnodes else \
+            str(self.num_processes)
+        lines = [f"launcher:      {self.launcher}", f"processes:     {count} ({shape})"]
         if self.launcher == "torchrun":
             lines.append(f"rendezvous:    {self.rdzv_backend} at {self.master_addr}:{self.master_port}"
                          + (f" ({self.rdzv_conf})" if self.rdzv_conf else ""))
@@ -341,8 +351,8 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
         variables[COLLECTIVE_TIMEOUT_VAR] = f"{options.collective_timeout:g}"
     if config.distributed_type in ("MULTI_GPU", "FSDP", "DEEPSPEED") and not config.use_cpu:
         variables.update({k: v for k, v in NCCL_FLIGHT_RECORDER.items() if k not in env})
-    backend = config.rdzv_backend
-    if launcher == "torchrun" and options.max_restarts > 0 and backend == "static":
+    backend, restarts = _elastic_settings(config, options, launcher, notes)
+    if launcher == "torchrun" and restarts > 0 and backend == "static":
         # torch's static rendezvous reuses the store keys of the previous round, so restarted workers can
         # read a dead peer's address; c10d rendezvous starts every round under a fresh prefix.
         if config.num_machines == 1:
@@ -354,13 +364,38 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
                       nnodes=config.num_machines, node_rank=config.machine_rank, master_addr=addr,
                       master_port=port or DEFAULT_PORT, rdzv_backend=backend,
                       rdzv_conf=_rdzv_conf(config, options.rdzv_conf), notes=notes,
-                      mesh=parallelism.describe() if parallelism is not None else None)
+                      mesh=parallelism.describe() if parallelism is not None else None,
+                      min_nnodes=config.min_machines, max_restarts=restarts)
     if launcher == "slurm-task":
         plan.nproc_per_node, plan.nnodes = 1, config.num_processes  # type: ignore[assignment]
         plan.node_rank = 0
     if launcher == "mpirun":
         _wrap_in_mpirun(plan, hostfile)
     return plan
+
+
+def _elastic_settings(config: LaunchConfig, options: LaunchOptions, launcher: str,
+                      notes: list[str]) -> tuple[str, int]:
+    """The rendezvous backend and restart budget; ``--num_machines MIN:MAX`` needs c10d and some restarts.
+
+    Raises:
+        ConfigurationError: MIN:MAX machines with a launcher other than torchrun's agent.
+    """
+    restarts = options.max_restarts
+    if config.min_machines is None:
+        return config.rdzv_backend, restarts or 0
+    if launcher != "torchrun":
+        raise ConfigurationError(f"--num_machines {config.min_machines}:{config.num_machines} (machines that leave "
+                                 f"or join) needs torchrun's agent, not the {launcher} launcher. HINT: run one "
+                                 "`hasten launch` per machine, without --use_mpi/mpirun_hostfile or SLURM tasks.")
+    if config.rdzv_backend != "c10d":
+        notes.append(f"--num_machines {config.min_machines}:{config.num_machines}: using the c10d rendezvous (the "
+                     "static one needs a fixed set of machines)")
+    if restarts is None:
+        restarts = ELASTIC_RESTARTS
+        notes.append(f"--num_machines {config.min_machines}:{config.num_machines}: the worker group may restart "
+                     f"{restarts} times (each machine that leaves uses one; set --max_restarts to change it)")
+    return "c10d", restarts
 
 
 def _wrap_in_mpirun(plan: LaunchPlan, hostfile: str | None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -28,11 +29,12 @@ def torchrun_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
         >>> torchrun_argv(plan, options)[:4]  # doctest: +SKIP
         ['--nnodes', '1', '--nproc_per_node', '2']
     """
-    argv = ["--nnodes", str(plan.nnodes), "--nproc_per_node", str(plan.nproc_per_node),
+    nnodes = f"{plan.min_nnodes}:{plan.nnodes}" if plan.min_nnodes else str(plan.nnodes)
+    argv = ["--nnodes", nnodes, "--nproc_per_node", str(plan.nproc_per_node),
             "--node_rank", str(plan.node_rank), "--master_addr", plan.master_addr,
             "--master_port", str(plan.master_port), "--rdzv_backend", plan.rdzv_backend,
             "--rdzv_endpoint", f"{plan.master_addr}:{plan.master_port}",
-            "--max_restarts", str(options.max_restarts), "--monitor_interval", str(options.monitor_interval),
+            "--max_restarts", str(plan.max_restarts), "--monitor_interval", str(options.monitor_interval),
             "--role", options.role, "--tee", options.tee]
     if plan.rdzv_conf:
         argv += ["--rdzv_conf", plan.rdzv_conf]
@@ -72,6 +74,10 @@ def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
         print(f"hasten launch: error: {exc}", file=sys.stderr)
         return 2
     args = get_args_parser().parse_args(torchrun_argv(plan, options))
+    if plan.rdzv_backend == "c10d" and plan.nnodes > 1:  # the same c10d rendezvous, plus a line per round
+        from hasten.launchers.elastic import use_membership_backend
+
+        args.rdzv_backend = use_membership_backend(f"{socket.gethostname()} ({plan.bind_addr})", plan.nproc_per_node)
     agent_env = dict(plan.env)
     if plan.rdzv_backend == "c10d":
         # Not the agent's shared store (torch binds it on every interface, on a port hasten cannot choose):
@@ -118,11 +124,11 @@ def _network_check(plan: LaunchPlan, options: LaunchOptions) -> int | None:
           f"advertising {plan.bind_addr}", file=sys.stderr, flush=True)
     try:
         peers = check_network(plan.bind_addr, plan.master_addr, plan.master_port, plan.node_rank, plan.nnodes,
-                              os.environ, rendezvous_timeout(plan.rdzv_conf))
+                              os.environ, rendezvous_timeout(plan.rdzv_conf), meet=plan.min_nnodes is None)
     except NetworkCheckFailed as exc:
         print(f"hasten launch: network check failed: {exc}", file=sys.stderr, flush=True)
         return NETWORK_CHECK_EXIT_CODE
-    print(f"hasten launch: {describe(peers, endpoint)}", file=sys.stderr, flush=True)
+    print(f"hasten launch: {describe(peers, endpoint, met=plan.min_nnodes is None)}", file=sys.stderr, flush=True)
     return None
 
 

@@ -53,6 +53,10 @@ class Machine:
         """Start ``argv`` inside this machine (text mode, in its own process group)."""
         return subprocess.Popen(self.command(argv), text=True, start_new_session=True, **kwargs)
 
+    def kill(self) -> None:
+        """The machine dies: SIGKILL every process running in its namespace."""
+        _kill_namespace_processes(self.name)
+
 
 def _ip(*args: str, netns: str | None = None) -> None:
     argv = ["ip", *(["-n", netns] if netns else []), *args]
