@@ -24,9 +24,9 @@ def _answers(*lines):
 
 def test_questionnaire_through_stdin_writes_the_expected_file(tmp_path):
     target = tmp_path / "cfg.yaml"
-    # multi-CPU, 2 machines, rank 1, main at 10.0.0.2:29555, same network, c10d, no debug, no mpirun,
-    # no dynamo, 4 processes, bf16
-    answers = "1\n2\n1\n10.0.0.2\n29555\nyes\n1\nno\nno\nno\n4\n2\n"
+    # multi-CPU, 2 machines, rank 1, main at 10.0.0.2:29555, same network, c10d, both machines must remain,
+    # no debug, no mpirun, no dynamo, 4 processes, bf16
+    answers = "1\n2\n1\n10.0.0.2\n29555\nyes\n1\n\nno\nno\nno\n4\n2\n"
     proc = subprocess.run([sys.executable, "-m", "hasten.commands.main", "config", "--config_file", str(target)],
                           input=answers, capture_output=True, text=True, timeout=60,
                           env=dict(os.environ, HASTEN_HOME=str(tmp_path)))
@@ -43,6 +43,12 @@ def test_questionnaire_fsdp_and_defaults_at_end_of_input():
     cfg = run_questionnaire(_answers("2", "", "", "no", "no", "yes", "", "yes"))
     assert cfg["distributed_type"] == "FSDP" and cfg["fsdp_config"]["fsdp_offload_params"] is True
     assert cfg["fsdp_config"]["fsdp_version"] == 2 and cfg["num_processes"] == 2 and cfg["mixed_precision"] == "no"
+
+
+def test_questionnaire_elastic_machines():
+    # multi-CPU, 3 machines, rank 0, main at 10.0.0.2:29555, same network, c10d, 2 must remain
+    cfg = run_questionnaire(_answers("1", "3", "0", "10.0.0.2", "29555", "yes", "1", "2"))
+    assert (cfg["rdzv_backend"], cfg["num_machines"], cfg["min_machines"]) == ("c10d", 3, 2)
 
 
 def test_questionnaire_asks_again_after_a_wrong_answer():

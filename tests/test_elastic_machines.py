@@ -99,6 +99,66 @@ def test_a_killed_machine_leaves_and_the_others_go_on_under_min_max(tmp_path):
         assert f"({machines[2].ip}) left; the run goes on with 2 machines, world size 4" in left[0], output
 
 
+# The first round (2 machines, world size 4) waits after 3 steps; a machine that joins makes the agents
+# restart the group (stopping those workers) on 3 machines, which trains to the end.
+JOIN_SCRIPT = """
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+from hasten import PartialState
+
+out = sys.argv[1]
+state = PartialState()
+total = torch.zeros(1)
+for step in range(6):
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    total += ones
+    if state.num_processes == 4 and step == 2:
+        open(os.path.join(out, f"ready{state.process_index}"), "w").close()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit("the joining machine never made the group restart")
+with open(os.path.join(out, f"done{state.num_processes}_{state.process_index}.json"), "w") as f:
+    json.dump({"world": state.num_processes, "total": total.item()}, f)
+"""
+
+
+@needs_netns
+def test_a_machine_started_late_joins_at_the_next_restart(tmp_path):
+    script = tmp_path / "join.py"
+    script.write_text(JOIN_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    with simulated_machines(3) as machines:
+        def start(rank):
+            argv = [sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_machines", "2:3",
+                    "--machine_rank", str(rank), "--num_processes", "6", "--main_process_ip", machines[0].ip,
+                    "--main_process_port", "29532", "--rdzv_conf", "join_timeout=90,last_call_timeout=2",
+                    "--monitor_interval", "0.5", str(script), str(out)]
+            return machines[rank].popen(argv, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+        procs = [start(0), start(1)]
+        try:
+            _wait_for([out / f"ready{r}" for r in range(4)], procs)
+            procs.append(start(2))
+            outs = [proc.communicate(timeout=240)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+    text = "\n---\n".join(outs)
+    assert [p.returncode for p in procs] == [0, 0, 0], text
+    finished = [json.loads((out / f"done6_{r}.json").read_text()) for r in range(6)]
+    assert finished == [{"world": 6, "total": 36.0}] * 6, text
+    for output in outs[:2]:
+        lines = [line for line in output.splitlines() if line.startswith("hasten launch: ")]
+        assert any("2 machines, world size 4" in line for line in lines), output
+        joined = [line for line in lines if "machines changed:" in line]
+        assert len(joined) == 1, output
+        assert f"({machines[2].ip}) joined; the run goes on with 3 machines, world size 6" in joined[0], output
+
+
 def _launch_args(*argv):
     import argparse
 

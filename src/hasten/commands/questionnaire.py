@@ -109,6 +109,12 @@ def ask_cluster(p: Prompter) -> dict[str, Any]:
                                                  "process?", 29500)
             cfg["same_network"] = p.yes_no("Are all the machines on the same local network?", True)
             cfg["rdzv_backend"] = p.choice("What rendezvous backend will you use?", ("static", "c10d"))
+            if cfg["rdzv_backend"] == "c10d":
+                fewest = p.integer(f"How many of the {cfg['num_machines']} machines must remain for the run to go on "
+                                   f"(fewer than {cfg['num_machines']}: machines may leave and join)?",
+                                   cfg["num_machines"], minimum=1)
+                if fewest < cfg["num_machines"]:
+                    cfg["min_machines"] = fewest
         cfg["debug"] = p.yes_no("Should distributed operations be checked while running for errors (turns some "
                                 "hangs into errors, slightly slower)?", False)
     else:
