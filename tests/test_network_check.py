@@ -126,8 +126,12 @@ def test_check_network_alone_passes_on_a_good_setup_and_starts_no_worker(tmp_pat
 def test_a_loopback_main_address_stops_every_machine(tmp_path):
     with simulated_machines(2) as machines:
         codes, watched = _run(machines, [_argv(2, r, "127.0.0.1", tmp_path) for r in range(2)], [_env(tmp_path)] * 2)
-    _assert_all_stop_with(codes, watched, "would advertise the loopback address 127.0.0.1",
-                          "--main_process_ip 127.0.0.1 is a loopback address", "HINT: pass --main_process_ip")
+    # Each machine meets only itself on its loopback: machine 0 waits for the others, machine 1 for a listener.
+    _assert_all_stop_with(codes, watched, "--main_process_ip 127.0.0.1 is a loopback address, so every machine "
+                          "must run on this one", "(port 29521)", "HINT: pass --main_process_ip with machine 0's "
+                          "address on the network the machines share")
+    assert "machine 0 (" in watched[0].failures()[0] and "machine(s) 1 did not arrive" in watched[0].failures()[0]
+    assert "machine 1 (" in watched[1].failures()[0] and "nothing listens there" in watched[1].failures()[0]
 
 
 @needs_netns

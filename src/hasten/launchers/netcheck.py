@@ -2,9 +2,11 @@
 
 Each machine's launcher checks, in this order:
 
-1. its own settings: the address it advertises is not a loopback address; the interface gloo will use
-   (``GLOO_SOCKET_IFNAME``, else the one hasten picks) exists, is up and carries an IPv4 address that is
-   not loopback; ``NCCL_SOCKET_IFNAME``, when set on a GPU run, selects a usable interface;
+1. its own settings: the interface gloo will use (``GLOO_SOCKET_IFNAME``, else the one hasten picks)
+   exists, is up and carries an IPv4 address that is not loopback; ``NCCL_SOCKET_IFNAME``, when set on a
+   GPU run, selects a usable interface. A loopback ``--main_process_ip`` is right only when every
+   "machine" runs on this computer: then the machines get LOOPBACK_WAIT seconds to meet, else the line
+   says that the address is the mistake;
 2. that the rendezvous endpoint (``--main_process_ip:--main_process_port``) answers a TCP connection.
    "Refused" means machine 0 has not started yet and is retried until the rendezvous timeout; no answer
    at all (a firewall drops the port) or no route fails within seconds;
@@ -46,6 +48,9 @@ __all__ = ["NetworkCheckFailed", "PeerInfo", "check_network", "collective_addres
 PROBE_TIMEOUT = 3.0
 #: Unanswered attempts in a row after which the rendezvous endpoint counts as dropped by a firewall.
 SILENT_LIMIT = 2
+#: A loopback --main_process_ip is only right when every "machine" runs on this one (a test of a
+#: multi-machine launch on one computer), where they all start at once: the others get this long.
+LOOPBACK_WAIT = 6.0
 #: Once every machine arrived: how long the peers' probe results (and acknowledgements) may take.
 RESULT_WAIT = 10.0
 _PREFIX = "hasten/network_check/"
@@ -93,12 +98,8 @@ def collective_address(bind_addr: str, master_addr: str, rank: int,
     ``bind_addr`` is the address the machine advertises (the one that faces ``master_addr``).
     """
     me = _me(rank)
-    if is_loopback(bind_addr):
-        return bind_addr, "lo", (
-            f"{me} would advertise the loopback address {bind_addr} to the other machines: --main_process_ip "
-            f"{master_addr} is a loopback address. HINT: pass --main_process_ip with machine 0's address on the "
-            "network the machines share (in Kubernetes the main pod's IP or service name, never 127.0.0.1 or "
-            "localhost), the same on every machine")
+    if is_loopback(bind_addr):  # every "machine" must be this one: see LOOPBACK_WAIT
+        return bind_addr, interface_of(bind_addr) or "lo", None
     interfaces = interface_addresses()
     own = interface_of(bind_addr) or "?"
     requested = env.get("GLOO_SOCKET_IFNAME", "")
@@ -131,6 +132,14 @@ def _nccl_problem(me: str, env: Mapping[str, str], interfaces: dict[str, list[st
             "set NCCL_SOCKET_IFNAME to the interface of the network the machines share, or leave it unset")
 
 
+def loopback_problem(master_addr: str, port: int, rank: int, what: str) -> str:
+    """The line for a loopback ``--main_process_ip`` where the machines did not meet within LOOPBACK_WAIT."""
+    return (f"{_me(rank)}: --main_process_ip {master_addr} is a loopback address, so every machine must run on this "
+            f"one, but {what} within {LOOPBACK_WAIT:g} s (port {port}). HINT: pass --main_process_ip with machine 0's "
+            "address on the network the machines share (in Kubernetes the main pod's IP or service name, never "
+            "127.0.0.1 or localhost), the same on every machine")
+
+
 def _connect(address: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
     """Why a TCP connection to ``address:port`` fails ("no answer", "refused", ...), or None when it opens."""
     try:
@@ -144,7 +153,7 @@ def _connect(address: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | N
         return exc.strerror or str(exc)
 
 
-def reach_endpoint(master_addr: str, port: int, rank: int, deadline: float) -> None:
+def reach_endpoint(master_addr: str, port: int, rank: int, deadline: float, loopback: bool = False) -> None:
     """Wait until ``master_addr:port`` accepts a TCP connection; refused ones are retried until ``deadline``.
 
     Raises:
@@ -173,6 +182,8 @@ def reach_endpoint(master_addr: str, port: int, rank: int, deadline: float) -> N
                 f"{me} hosts the rendezvous, but {where} refuses connections: --main_process_ip {master_addr} is not "
                 f"an address of machine 0 (it has {', '.join(sorted(local_addresses()))}). HINT: pass machine 0's "
                 "own address as --main_process_ip on every machine")
+        if time.monotonic() >= deadline and loopback:
+            raise NetworkCheckFailed(loopback_problem(master_addr, port, rank, "nothing listens there on this machine"))
         if time.monotonic() >= deadline:
             raise NetworkCheckFailed(
                 f"the machines could not meet at {where}: {me} was refused there until the rendezvous timeout. "
@@ -208,8 +219,9 @@ def _probe_message(me: PeerInfo, peer: PeerInfo, reason: str) -> str:
 class _Meeting:
     """The check's keys in torch's store: publish, wait for the others, and stop all at the first problem."""
 
-    def __init__(self, store: Any, rank: int, nnodes: int, endpoint: str) -> None:
+    def __init__(self, store: Any, rank: int, nnodes: int, endpoint: str, loopback: bool) -> None:
         self.store, self.rank, self.nnodes, self.endpoint = store, rank, nnodes, endpoint
+        self.loopback = loopback  # a loopback --main_process_ip: see LOOPBACK_WAIT
 
     def abort(self, line: str) -> NetworkCheckFailed:
         """Record ``line`` as the problem (the first one recorded wins); return the error to raise."""
@@ -224,6 +236,10 @@ class _Meeting:
                 raise NetworkCheckFailed(self.store.get(_PREFIX + "abort").decode())
             if time.monotonic() >= deadline:
                 missing = [str(r) for r, key in enumerate(keys) if not self.store.check([key])]
+                host, _, port = self.endpoint.rpartition(":")
+                if self.loopback:
+                    raise self.abort(loopback_problem(host, int(port), self.rank,
+                                                      f"machine(s) {', '.join(missing)} did not arrive"))
                 raise self.abort(
                     f"the machines could not meet at {self.endpoint}: machine(s) {', '.join(missing)} did not "
                     f"{'arrive' if kind == 'peer' else 'finish the network check'} in time (this is machine "
@@ -278,12 +294,10 @@ def check_network(bind_addr: str, master_addr: str, port: int, rank: int, nnodes
     Raises:
         NetworkCheckFailed: one line naming the machine, the address/port and the likely fix.
     """
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (min(timeout, LOOPBACK_WAIT) if is_loopback(bind_addr) else timeout)
     address, interface, problem = collective_address(bind_addr, master_addr, rank, env)
-    if problem and is_loopback(bind_addr):
-        raise NetworkCheckFailed(problem)  # the endpoint is on this machine's loopback: nobody to tell
     try:
-        reach_endpoint(master_addr, port, rank, deadline)
+        reach_endpoint(master_addr, port, rank, deadline, loopback=is_loopback(bind_addr))
     except NetworkCheckFailed:
         if problem:
             raise NetworkCheckFailed(problem) from None  # this machine's own mistake explains it better
@@ -292,7 +306,8 @@ def check_network(bind_addr: str, master_addr: str, port: int, rank: int, nnodes
         if problem:
             raise NetworkCheckFailed(problem)
         return [PeerInfo(rank, socket.gethostname(), address, 0, interface)]
-    meeting = _Meeting(_store_client(master_addr, port, rank), rank, nnodes, f"{master_addr}:{port}")
+    meeting = _Meeting(_store_client(master_addr, port, rank), rank, nnodes, f"{master_addr}:{port}",
+                       is_loopback(bind_addr))
     try:
         return _meet(meeting, address, interface, problem, deadline)
     except NetworkCheckFailed:
