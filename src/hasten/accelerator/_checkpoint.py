@@ -45,6 +45,7 @@ from hasten.checkpointing.naming import (
     run_stage_hooks,
     staging_folder,
 )
+from hasten.checkpointing.rng import derive_rng_state
 from hasten.checkpointing.shards import write_model_files
 from hasten.checkpointing.transaction import Transaction
 
@@ -182,7 +183,8 @@ class CheckpointMixin(AcceleratorBase):
 
         Every file listed in the checkpoint's manifest is checked against its recorded size and CRC-32
         first; pass ``verify_checksums=False`` to skip that (trusted storage). A checkpoint saved by
-        more processes loads with a warning naming the random states it drops.
+        another number of processes loads with a warning naming the random states it drops or derives;
+        data loaders continue at the saved global sample (docs/checkpointing.md).
 
         Raises:
             CheckpointError: a missing folder or file, a damaged file, or a folder that does not match
@@ -254,11 +256,14 @@ class CheckpointMixin(AcceleratorBase):
         if self._precision.scaler is not None and (folder / ckpt.SCALER).is_file():
             plan["scaler"] = ckpt.torch_load(folder / ckpt.SCALER)
         plan["warning"] = checks.check_process_count(folder, manifest, self.num_processes, plan["loaders"])
-        rng_path = folder / ckpt.RNG.format(rank=self.process_index)
+        checks.check_loader_states(folder, self._dataloaders, plan["loaders"])
+        rng_path, derive = checks.rng_source(folder, manifest, self.process_index, self.num_processes)
         if not rng_path.is_file():
             raise CheckpointError(checks.missing_rng_message(folder, rng_path, manifest, self.process_index,
                                                              self.num_processes))
         plan["rng"] = (rng_path, ckpt.load_registered_state(rng_path))  # Accelerate's files hold NumPy states
+        if derive:  # a process the saving run did not have (documented rule in derive_rng_state)
+            plan["rng"] = (rng_path, derive_rng_state(plan["rng"][1], self.process_index))
         checks.check_rng_state(plan["rng"][1], rng_path)
         plan["gradients"] = []
         for i, _ in enumerate(self._models):
