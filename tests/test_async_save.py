@@ -179,3 +179,36 @@ def test_kill_during_a_background_save_keeps_the_previous_checkpoint(tmp_path, s
     assert torch.equal(model.weight, saved["weight"])
     torch.manual_seed(0)
     assert torch.equal(saved["weight"], nn.Linear(3, 3).weight.detach())  # the first save's weights, not +1
+
+
+def _fsdp2_async(root: str) -> tuple[bool, bool]:
+    from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def step() -> None:
+        accelerator.backward(model(torch.ones(4, 6)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    accelerator.save_state(Path(root) / "sync")
+    accelerator.save_state(Path(root) / "async", async_save=True)
+    step()
+    accelerator.wait_for_checkpoint()
+    moved = accelerator.get_state_dict(model)
+    accelerator.load_state(Path(root) / "async")
+    from_async = accelerator.get_state_dict(model)
+    accelerator.load_state(Path(root) / "sync")
+    from_sync = accelerator.get_state_dict(model)
+    same = all(torch.equal(from_async[k], from_sync[k]) for k in from_sync)
+    return same, any(not torch.equal(from_async[k], moved[k]) for k in moved)
+
+
+def test_an_fsdp2_sharded_async_save_loads_the_state_of_the_call(tmp_path):
+    for same, differs_from_later in run_on_ranks(_fsdp2_async, world_size=2, args=(str(tmp_path),)):
+        assert same and differs_from_later

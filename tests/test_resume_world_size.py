@@ -4,7 +4,8 @@ Ground truth: the uninterrupted run on the saving number of processes. A run sav
 processes and resumed on M, with the global batch kept (per-process batch x processes x accumulation),
 must use the same samples in every later optimizer step (so the same set of samples overall) and end
 with the same weights (within 1e-5: only the order of the float reductions differs), for DDP, FSDP2
-with sharded (DCP) checkpoints, and an HSDP 2x2 mesh resumed on FSDP2 over 3 processes.
+with sharded (DCP) checkpoints, an HSDP 2x2 mesh resumed on FSDP2 over 3 processes, and DeepSpeed
+ZeRO-2 (converted to DeepSpeed's universal checkpoint on load).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def _accelerator(kind: str, world: int, accumulation: int) -> Accelerator:
     if kind == "fsdp2":
         return Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
                            fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
+    if kind == "deepspeed":
+        from hasten.config.plugins.deepspeed import DeepSpeedPlugin
+
+        return Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2), gradient_accumulation_steps=accumulation)
     if kind == "hsdp":
         return Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
     assert kind == "fsdp2-mesh"
@@ -105,9 +110,14 @@ def _uninterrupted(tmp_path_factory: pytest.TempPathFactory, kind: str, world: i
     ("fsdp2", 4, 1, "fsdp2", 2, 1),
     ("fsdp2", 2, 1, "fsdp2", 3, 1),
     ("hsdp", 4, 1, "fsdp2-mesh", 3, 1),  # a 2x2 mesh (replicate x shard) onto a 1-D one of 3
+    ("deepspeed", 2, 1, "deepspeed", 4, 1),  # ZeRO-2 shards, through DeepSpeed's universal checkpoint
 ])
 def test_mid_epoch_resume_on_another_count_equals_the_uninterrupted_run(
         tmp_path_factory, saved_kind, saved_on, saved_accumulation, kind, resumed_on, accumulation):
+    if kind == "deepspeed":
+        from hasten.strategies.deepspeed import import_deepspeed
+
+        import_deepspeed("cpu")  # once in the parent: the forked ranks start without paying for it
     folder, (full_steps, full_weights) = _uninterrupted(tmp_path_factory, saved_kind, saved_on, saved_accumulation)
     steps, weights = run_on_ranks(_train, world_size=resumed_on, args=(kind, accumulation, str(folder), True),
                                   timeout=300)[0]
@@ -117,3 +127,25 @@ def test_mid_epoch_resume_on_another_count_equals_the_uninterrupted_run(
     assert weights.keys() == full_weights.keys()
     for key in weights:
         assert torch.allclose(weights[key], full_weights[key], rtol=0, atol=ATOL), key
+
+
+def test_zero3_shards_of_another_count_are_refused_and_zero2_ones_are_planned_for_conversion(tmp_path):
+    from types import SimpleNamespace
+
+    from hasten.checkpointing import CheckpointError
+    from hasten.strategies.deepspeed import DeepSpeedStrategy
+
+    sub = tmp_path / "pytorch_model"
+    sub.mkdir()
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        torch.save({}, sub / name)
+
+    def strategy(stage: int) -> SimpleNamespace:
+        engine = SimpleNamespace(zero_optimization=lambda: True, zero_optimization_stage=lambda: stage)
+        return SimpleNamespace(num_processes=4, _engines=lambda models: [("pytorch_model", engine)])
+
+    with pytest.raises(CheckpointError, match=r"saved by 2 DeepSpeed processes but this run has 4; ZeRO-3 shards "
+                                              r"load only into the same number of processes"):
+        DeepSpeedStrategy.check(strategy(3), [], [], tmp_path)  # type: ignore[arg-type]
+    assert DeepSpeedStrategy.check(strategy(2), [], [], tmp_path).models == {"pytorch_model": 2}  # type: ignore[arg-type]
