@@ -149,3 +149,26 @@ def test_zero3_shards_of_another_count_are_refused_and_zero2_ones_are_planned_fo
                                               r"load only into the same number of processes"):
         DeepSpeedStrategy.check(strategy(3), [], [], tmp_path)  # type: ignore[arg-type]
     assert DeepSpeedStrategy.check(strategy(2), [], [], tmp_path).models == {"pytorch_model": 2}  # type: ignore[arg-type]
+
+
+def _dispatched(root: str, save: bool) -> list[int]:
+    from hasten.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    loader = accelerator.prepare(DataLoader(torch.arange(48), batch_size=12 // accelerator.num_processes,
+                                            shuffle=True))
+    if not save:
+        accelerator.load_state(Path(root) / "ck")
+    seen: list[int] = []
+    for i, batch in enumerate(loader):
+        seen += accelerator.gather(batch).tolist()
+        if save and i == 1:
+            accelerator.save_state(Path(root) / "ck")
+            break
+    return seen
+
+
+def test_a_dispatching_loader_continues_on_another_count(tmp_path):
+    seen = run_on_ranks(_dispatched, world_size=2, args=(str(tmp_path), True))[0]
+    rest = run_on_ranks(_dispatched, world_size=4, args=(str(tmp_path), False))[0]
+    assert len(seen) == 24 and sorted(seen + rest) == list(range(48))

@@ -327,7 +327,8 @@ class BatchSamplerShard(BatchSampler):
 def offsets_samples(batch_sampler: Any) -> bool:
     """Whether :func:`batches_after` can start a pass of ``batch_sampler`` at any sample of the epoch."""
     inner = batch_sampler.batch_sampler if isinstance(batch_sampler, BatchSamplerShard) else batch_sampler
-    return type(inner) is BatchSampler and isinstance(getattr(inner, "batch_size", None), int)
+    return (type(inner) is BatchSampler and isinstance(getattr(inner, "batch_size", None), int)
+            and not isinstance(inner.sampler, BatchSampler))  # indices, not batches, inside
 
 
 def batches_after(batch_sampler: Any, samples: int) -> Iterator[list[int]]:
