@@ -6,6 +6,7 @@ weights of the checkpoint that must survive, and a marker file that a crafted pi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import enum
@@ -488,11 +489,33 @@ def _load_on_ranks(folder: str) -> str:
     return "loaded"
 
 
-def test_one_process_checkpoint_is_refused_with_the_same_error_on_every_rank(tmp_path):
+def _load_rng_on_ranks(folder: str) -> tuple:
+    import warnings
+
+    accelerator, *_ = _setup()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator.load_state(folder)
+    return torch.get_rng_state(), np.random.get_state()[1].copy(), [str(w.message) for w in caught]
+
+
+def test_a_one_process_checkpoint_loads_into_two_with_a_derived_generator_state(tmp_path):
+    import random
+    import zlib
+
     accelerator, *_ = _setup()
     folder = accelerator.save_state(tmp_path / "ck")
-    errors = run_on_ranks(_load_on_ranks, world_size=2, args=(str(folder),))
-    assert errors[0] == errors[1] and "saved by 1 process(es) but this run has 2" in errors[0]
+    saved = torch.get_rng_state()
+    (rank0, numpy0, warned0), (rank1, numpy1, warned1) = run_on_ranks(_load_rng_on_ranks, world_size=2,
+                                                                      args=(str(folder),))
+    assert torch.equal(rank0, saved)  # process 0 restores its own file
+    # The documented rule: seed = crc32(str(rank), crc32(source's torch CPU state)), every generator seeded with it.
+    seed = zlib.crc32(b"1", zlib.crc32(saved.numpy().tobytes()))
+    assert torch.equal(rank1, torch.Generator().manual_seed(seed).get_state())
+    assert (numpy1 == np.random.RandomState(seed).get_state()[1]).all() and not (numpy1 == numpy0).all()
+    assert random.Random(seed).getstate() != random.Random(0).getstate()
+    assert len([w for w in warned0 if "saved by 1 processes and is loaded into 2" in w]) == 1 and "derive" in warned0[0]
+    assert not [w for w in warned1 if "saved by" in w]  # one line, from the main process
 
 
 def test_a_missing_random_states_file_is_named(tmp_path):
@@ -521,22 +544,89 @@ def test_a_save_killed_while_writing_files_is_cleaned_up_by_the_next_save(tmp_pa
     assert (tmp_path / "ck.old" / "mine.txt").read_text() == "keep"
 
 
-def _save_mid_epoch(root: str) -> None:
-    accelerator = Accelerator()
-    loader = torch.utils.data.DataLoader(torch.arange(16.0), batch_size=2, shuffle=True)
-    loader = accelerator.prepare(loader)
-    for i, _batch in enumerate(loader):
-        if i == 1:
+def _save_mid_epoch(root: str, iterable: bool = False, accumulation: int = 1) -> list[int]:
+    """Two batches of 2 per process (8 of 16 samples), then a save; returns the samples used (all ranks)."""
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation)
+    data = torch.arange(16.0)
+    model = accelerator.prepare(nn.Linear(1, 1))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(_Stream(data) if iterable else data, batch_size=2,
+                                                             shuffle=not iterable))
+    seen: list[int] = []
+    for i, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch[:, None]).sum())
+        seen += accelerator.gather(batch).long().tolist()
+        if i == accumulation:  # with accumulation 2: inside a window (3 micro-batches)
             accelerator.save_state(Path(root) / "mid")
             break
+    return seen
 
 
-def test_a_mid_epoch_loader_position_is_not_mapped_onto_fewer_processes(tmp_path):
-    run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path),))
+class _Stream(torch.utils.data.IterableDataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __iter__(self):
+        return iter(self.data)
+
+
+def _rest_on_ranks(folder: str, batch_size: int, iterable: bool = False) -> object:
     accelerator = Accelerator()
-    accelerator.prepare(torch.utils.data.DataLoader(torch.arange(16.0), batch_size=2, shuffle=True))
-    with pytest.raises(CheckpointError, match=r"saved by 2 processes in the middle of an epoch"):
-        accelerator.load_state(tmp_path / "mid")
+    data = torch.arange(16.0)
+    accelerator.prepare(nn.Linear(1, 1))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(_Stream(data) if iterable else data,
+                                                             batch_size=batch_size, shuffle=not iterable))
+    try:
+        accelerator.load_state(folder)
+    except CheckpointError as exc:
+        return str(exc), loader.state_dict()["batches_yielded"]
+    return [int(v) for batch in loader for v in accelerator.gather(batch).long().tolist()]
+
+
+def test_a_mid_epoch_loader_position_continues_on_fewer_and_more_processes(tmp_path):
+    seen = run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path),))[0]
+    assert len(seen) == 8
+    for world, batch_size in ((1, 2), (4, 1), (3, 2)):  # 8 samples used: global batches 2, 4, 6
+        rest = run_on_ranks(_rest_on_ranks, world_size=world, args=(str(tmp_path / "mid"), batch_size))[0]
+        remaining = sorted(set(range(16)) - set(seen))
+        if world * batch_size == 6:  # 6 does not divide 8: the pass starts mid-batch; the end is padded, as
+            # the uninterrupted pass pads it, with the epoch's first samples
+            assert collections.Counter(rest) - collections.Counter(remaining) == collections.Counter(seen[:4]) and len(rest) == 12
+        else:
+            assert sorted(rest) == remaining, (world, batch_size)
+
+
+def test_a_mid_epoch_position_that_cannot_map_is_refused_on_every_rank_before_anything_changes(tmp_path):
+    run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path), True))
+    # 8 samples of a stream were used: 3 processes reading 1 sample each cannot start a pass at sample 8.
+    errors = run_on_ranks(_rest_on_ranks, world_size=3, args=(str(tmp_path / "mid"), 1, True))
+    assert errors[0] == errors[1] == errors[2]
+    message, position = errors[0]
+    assert "data loader #0: this data loader was saved 8 samples into its epoch" in message
+    assert "which its global batch size of 3 does not divide" in message and position == 0
+    rest = run_on_ranks(_rest_on_ranks, world_size=2, args=(str(tmp_path / "mid"), 2, True))[0]
+    assert rest == list(range(8, 16))  # the same layout continues
+
+
+def test_partial_gradients_and_old_mid_epoch_states_are_refused_on_another_count(tmp_path):
+    run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path / "window"), False, 2))
+    for world in (1, 3):
+        errors = run_on_ranks(_rest_on_ranks, world_size=world, args=(str(tmp_path / "window" / "mid"), 2))
+        assert all(e == errors[0] for e in errors)
+        assert "inside a gradient-accumulation window" in errors[0][0], errors[0]
+    # A state written by an older hasten: each process's batch count only.
+    run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path / "old"),))
+    folder = tmp_path / "old" / "mid"
+    state = torch.load(folder / "dataloader_state.bin", weights_only=True)
+    for key in ("samples_yielded", "num_processes", "global_batch_size"):
+        del state[key]
+    state["version"] = 1
+    torch.save(state, folder / "dataloader_state.bin")
+    (folder / "hasten_checkpoint.json").unlink()
+    errors = run_on_ranks(_rest_on_ranks, world_size=1, args=(str(folder), 2))
+    assert "in the middle of an epoch by an older hasten" in errors[0][0]
+    rest = run_on_ranks(_rest_on_ranks, world_size=2, args=(str(folder), 2))[0]
+    assert len(rest) == 8  # on the same count the old state still loads
 
 
 def test_dcp_metadata_pointing_outside_its_folder_is_refused(tmp_path):

@@ -1,6 +1,7 @@
 """Prepared loaders in one process: DataLoader identity, end-of-pass tracking, one-shot skips, exact resume,
 isolation from the global RNG, bad input."""
 
+import collections
 import io
 
 import pytest
@@ -210,6 +211,87 @@ def test_state_dict_resumes_exactly(world, rank):
         length = len(make())
         for stop_epoch, stop_at in ((0, 1), (1, 2), (1, length), (0, length - 1)):
             _resume_case(make, stop_epoch, stop_at)
+
+
+def _layout(dataset, world, batch_size, split=False):
+    """One loader per process of a ``world``-process run (same prepare-time seed), in this one process."""
+    made = []
+    for rank in range(world):
+        torch.manual_seed(11 + world)  # a different seed per layout: the resumed order must come from the state
+        made.append(prepare_data_loader(DataLoader(dataset, batch_size=batch_size, shuffle=isinstance(dataset, Indices)),
+                                        num_processes=world, process_index=rank, split_batches=split))
+    return made
+
+
+def _global_batches(loaders, epochs=1, limit=None):
+    """Each step's samples over all processes (sorted), for ``epochs`` passes or ``limit`` steps."""
+    out = []
+    for _ in range(epochs):
+        iterators = [iter(loader) for loader in loaders]
+        try:
+            for batches in zip(*iterators):
+                out.append(sorted(i for b in batches for i in b.tolist()))
+                if len(out) == limit:
+                    return out
+        finally:
+            for it in iterators:
+                it.close()  # an abandoned pass ends now, not when the garbage collector finds it
+    return out
+
+
+@pytest.mark.parametrize("dataset", [Indices(50), Stream(48)], ids=["map", "stream"])
+@pytest.mark.parametrize(("world", "batch_size", "split"), [(4, 3, False), (3, 4, False), (2, 6, False),
+                                                             (3, 12, True), (4, 12, True)])
+def test_a_position_saved_on_two_processes_continues_on_another_count_with_the_global_batch_kept(
+        dataset, world, batch_size, split):
+    full = _global_batches(_layout(dataset, 2, 6), epochs=2)  # ground truth: the 2-process run, global batch 12
+    saved = _layout(dataset, 2, 6)
+    first = _global_batches(saved, limit=2)
+    buffer = io.BytesIO()
+    torch.save(saved[0].state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert (state["samples_yielded"], state["num_processes"], state["global_batch_size"]) == (24, 2, 12)
+    resumed = _layout(dataset, world, batch_size, split)
+    for loader in resumed:
+        loader.load_state_dict(state)
+    assert first + _global_batches(resumed, epochs=2) == full  # same samples in every global batch, padding too
+    assert resumed[0].state_dict()["samples_yielded"] == 0 and resumed[0].state_dict()["epoch"] == 2
+
+
+def test_a_position_the_global_batch_does_not_divide_starts_mid_batch_for_map_style_loaders():
+    saved = _layout(Indices(50), 2, 6)
+    first = [i for batch in _global_batches(saved, limit=2) for i in batch]
+    state = saved[0].state_dict()
+    resumed = _layout(Indices(50), 5, 2)  # global batch 10 does not divide 24
+    for loader in resumed:
+        loader.load_state_dict(state)
+    (one,) = _global_batches(resumed, limit=1)
+    middle = resumed[0].state_dict()
+    assert middle["samples_yielded"] == 34 and middle["batches_yielded"] == 1
+    for loader in resumed:
+        loader.load_state_dict(middle)
+    rest = one + [i for step in _global_batches(resumed) for i in step]
+    head = [i for loader in _layout(Indices(50), 2, 6) for i in next(iter(loader)).tolist()]  # epoch's first 12
+    remaining = collections.Counter(set(range(50)) - set(first))
+    assert len(rest) == 30 and collections.Counter(rest) - remaining == collections.Counter(head[:4])  # padding
+    again = _layout(Indices(50), 2, 6)  # saved mid-pass again: back on 2 processes at sample 34
+    for loader in again:
+        loader.load_state_dict(middle)
+    after = remaining - collections.Counter(one)
+    assert collections.Counter(i for b in _global_batches(again) for i in b) - after == collections.Counter(head[:8])
+
+
+def test_a_stream_position_the_global_batch_does_not_divide_is_refused():
+    saved = _layout(Stream(48), 2, 6)
+    _global_batches(saved, limit=2)
+    (fresh,) = _layout(Stream(48), 1, 5)
+    with pytest.raises(ValueError, match=r"saved 24 samples into its epoch, which its global batch size of 5 does "
+                                         r"not divide.* at 12"):
+        fresh.check_state_dict(saved[0].state_dict())
+    with pytest.raises(ValueError, match="global batch size of 5"):
+        fresh.load_state_dict(saved[0].state_dict())
+    assert fresh.state_dict()["samples_yielded"] == 0  # refused before anything changed
 
 
 def test_state_dict_between_epochs_and_before_any_pass():

@@ -25,6 +25,7 @@ from hasten import ops
 from hasten.accelerator._base import AcceleratorBase
 from hasten.checkpointing import (
     CheckpointError,
+    background,
     capture_rng_state,
     files as ckpt,
     restore_checks as checks,
@@ -45,12 +46,15 @@ from hasten.checkpointing.naming import (
     run_stage_hooks,
     staging_folder,
 )
+from hasten.checkpointing.rng import derive_rng_state
 from hasten.checkpointing.shards import write_model_files
 from hasten.checkpointing.transaction import Transaction
 
 
 class CheckpointMixin(AcceleratorBase):
     """Saving and restoring the whole training state."""
+
+    _background_saver: background.BackgroundSaver | None = None  # created by the first async_save
 
     # ------------------------------------------------------------------------------------- saving
     def _checkpoint_target(self, output_dir: str | os.PathLike[str] | None) -> Path:
@@ -85,33 +89,29 @@ class CheckpointMixin(AcceleratorBase):
             run_stage_hooks("staged", staging_folder(target))
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> Path:
+                   *, async_save: bool = False, **save_model_func_kwargs: Any) -> Path:
         """Save models, optimizers, schedulers, data loaders, scaler, RNGs and registered objects.
 
         With ``automatic_checkpoint_naming`` the folder is ``{project_dir}/checkpoints/checkpoint_{i}``
         (``output_dir`` is ignored) and old checkpoints beyond ``total_limit`` are removed.
-        Call it on every process.
+        Call it on every process. ``async_save=True`` (hasten) returns once the state is serialised in
+        host memory; writing and publication finish in the background (:meth:`wait_for_checkpoint`).
 
         Returns:
             The checkpoint folder.
         """
+        self.wait_for_checkpoint()  # at most one save in flight; raises the failure of the previous one
         target = self._checkpoint_target(output_dir)
         # Inside an accumulation window the gradients gathered so far are part of the state. They are
         # captured first: a strategy that cannot keep them refuses here, before anything is written.
         gradients = [] if self.sync_gradients else [self._strategy.accumulated_gradients(m) for m in self._models]
         self._start_save(target)
         staging = staging_folder(target)
+        if async_save:
+            return self._save_in_background(target, staging, gradients, safe_serialization)
         sealer = sealing.start(staging)  # each file checksummed as written, fsync'ed in the background
         try:
-            weights = self._strategy.weights_for_save(self._models)
-            for hook in self._save_model_state_pre_hook.values():
-                hook(self._models, weights, str(staging))
-            self._strategy.save(self._models, self._raw_optimizers(), staging, weights=weights,
-                                writer=self._writes_shared_files(), safe_serialization=safe_serialization)
-            if self._writes_shared_files():
-                self._write_shared_files(staging)
-            ckpt.torch_save(capture_rng_state(self.step), staging / ckpt.RNG.format(rank=self.process_index))
-            self._save_accumulated_gradients(staging, gradients)
+            self._write_state(staging, gradients, safe_serialization)
             sealed = sealer.finish()  # this process's files are durable before the others are told so
         finally:
             sealing.stop(staging)
@@ -128,6 +128,41 @@ class CheckpointMixin(AcceleratorBase):
             prune(target.parent, self.project_configuration.total_limit)  # only now: never zero checkpoints
         self.project_configuration.iteration += 1
         return target
+
+    def _write_state(self, staging: Path, gradients: list[dict[str, torch.Tensor]], safe_serialization: bool) -> None:
+        weights = self._strategy.weights_for_save(self._models)
+        for hook in self._save_model_state_pre_hook.values():
+            hook(self._models, weights, str(staging))
+        self._strategy.save(self._models, self._raw_optimizers(), staging, weights=weights,
+                            writer=self._writes_shared_files(), safe_serialization=safe_serialization)
+        if self._writes_shared_files():
+            self._write_shared_files(staging)
+        ckpt.torch_save(capture_rng_state(self.step), staging / ckpt.RNG.format(rank=self.process_index))
+        self._save_accumulated_gradients(staging, gradients)
+
+    def _save_in_background(self, target: Path, staging: Path, gradients: list[dict[str, torch.Tensor]],
+                            safe_serialization: bool) -> Path:
+        if self._background_saver is None:  # collective: every process creates the side group together
+            self._background_saver = background.BackgroundSaver(
+                background.Coordinator.create(self.num_processes, self.process_index))
+        with background.capture(staging) as snapshot:
+            self._write_state(staging, gradients, safe_serialization)
+        config = self.project_configuration
+        self._background_saver.submit(snapshot, background.Publication(
+            target, staging, self.num_processes, self.is_main_process, self.is_local_main_process,
+            config.total_limit, bool(config.automatic_checkpoint_naming)))
+        config.iteration += 1
+        return target
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the save started with ``save_state(..., async_save=True)`` is published (hasten).
+
+        Raises:
+            CheckpointError: the background save failed; the same message on every process, naming
+                the process and the file. The previous checkpoint is then intact.
+        """
+        if self._background_saver is not None:
+            self._background_saver.wait()
 
     def _save_accumulated_gradients(self, folder: Path, gradients: list[dict[str, torch.Tensor]]) -> None:
         # Each process's own (they differ under no_sync), or the next optimizer step after resuming would differ.
@@ -182,13 +217,15 @@ class CheckpointMixin(AcceleratorBase):
 
         Every file listed in the checkpoint's manifest is checked against its recorded size and CRC-32
         first; pass ``verify_checksums=False`` to skip that (trusted storage). A checkpoint saved by
-        more processes loads with a warning naming the random states it drops.
+        another number of processes loads with a warning naming the random states it drops or derives;
+        data loaders continue at the saved global sample (docs/checkpointing.md).
 
         Raises:
             CheckpointError: a missing folder or file, a damaged file, or a folder that does not match
                 what was prepared (models, optimizers, registered objects, number of processes); raised
                 with the same message on every process, before anything changed.
         """
+        self.wait_for_checkpoint()
         folder = self._resolve_load_folder(input_dir)
         for hook in self._load_model_state_pre_hook.values():
             hook(self._models, str(folder))
@@ -254,11 +291,14 @@ class CheckpointMixin(AcceleratorBase):
         if self._precision.scaler is not None and (folder / ckpt.SCALER).is_file():
             plan["scaler"] = ckpt.torch_load(folder / ckpt.SCALER)
         plan["warning"] = checks.check_process_count(folder, manifest, self.num_processes, plan["loaders"])
-        rng_path = folder / ckpt.RNG.format(rank=self.process_index)
+        checks.check_loader_states(folder, self._dataloaders, plan["loaders"])
+        rng_path, derive = checks.rng_source(folder, manifest, self.process_index, self.num_processes)
         if not rng_path.is_file():
             raise CheckpointError(checks.missing_rng_message(folder, rng_path, manifest, self.process_index,
                                                              self.num_processes))
         plan["rng"] = (rng_path, ckpt.load_registered_state(rng_path))  # Accelerate's files hold NumPy states
+        if derive:  # a process the saving run did not have (documented rule in derive_rng_state)
+            plan["rng"] = (rng_path, derive_rng_state(plan["rng"][1], self.process_index))
         checks.check_rng_state(plan["rng"][1], rng_path)
         plan["gradients"] = []
         for i, _ in enumerate(self._models):

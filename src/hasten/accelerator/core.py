@@ -432,6 +432,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
 
     def end_training(self) -> None:
         """Finish the trackers and tear down the process group (call it on every process at the end)."""
+        self.wait_for_checkpoint()  # an asynchronous save in flight is published (or its failure raised) first
         self._finish_trackers()
         self._strategy.teardown()
         self.state.destroy_process_group()

@@ -7,6 +7,7 @@ Writes go through a temporary name and a rename; reads use safetensors or
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hasten.checkpointing import safe_load, sealing
+from hasten.checkpointing import background, safe_load, sealing
 from hasten.checkpointing.rng import CheckpointError
 from hasten.utils.serialization import atomic_path
 
@@ -34,13 +35,20 @@ def suffix(index: int) -> str:
     return "" if index == 0 else f"_{index}"
 
 
-def write_file(path: Path, writer: Callable[[Path], Any]) -> None:
+def write_file(path: Path, writer: Callable[[Path], Any], serialize: Callable[[], bytes] | None = None) -> None:
     """Run ``writer(file)`` so that ``path`` is complete and durable before a checkpoint publishes it.
 
     Inside a save's staging folder the file is written under its final name and sealed (CRC-32 and
     fsync in the background, :mod:`hasten.checkpointing.sealing`): the folder is published as a whole
-    only after that. Anywhere else it goes through a temporary name, an fsync and a rename.
+    only after that. Inside an asynchronous save's staging folder, ``serialize()`` (the same bytes
+    ``writer`` would write) runs now and the bytes are written later, in the background
+    (:mod:`hasten.checkpointing.background`). Anywhere else it goes through a temporary name, an fsync
+    and a rename.
     """
+    snapshot = background.snapshot_for(path)
+    if snapshot is not None and serialize is not None:
+        snapshot.add(path, serialize())
+        return
     sealer = sealing.sealer_for(path)
     if sealer is None:
         with atomic_path(path) as tmp:
@@ -52,7 +60,36 @@ def write_file(path: Path, writer: Callable[[Path], Any]) -> None:
 
 def torch_save(obj: Any, path: Path) -> None:
     """``torch.save``, crash-safely (:func:`write_file`)."""
-    write_file(path, lambda file: torch.save(obj, file))
+    write_file(path, lambda file: torch.save(obj, file), lambda: _torch_bytes(obj, path.name))
+
+
+def _torch_bytes(obj: Any, name: str) -> bytes:
+    """What ``torch.save(obj, <folder>/name)`` writes, byte for byte, serialised into memory.
+
+    ``torch.save`` names the archive inside the file after the file (a buffer gets ``archive``), so it
+    writes through a link called ``name`` to an anonymous in-memory file (Linux ``memfd``); elsewhere
+    through a temporary file of that name.
+    """
+    with tempfile.TemporaryDirectory(prefix="hasten-snapshot-") as tmp:
+        link = Path(tmp) / name
+        if not hasattr(os, "memfd_create"):
+            torch.save(obj, link)
+            return link.read_bytes()
+        fd = os.memfd_create(name, getattr(os, "MFD_CLOEXEC", 0))
+        try:
+            os.symlink(f"/proc/self/fd/{fd}", link)
+            torch.save(obj, link)
+            size = os.fstat(fd).st_size
+            chunks, offset = [], 0
+            while offset < size:
+                chunk = os.pread(fd, min(size - offset, 1 << 30), offset)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                offset += len(chunk)
+            return b"".join(chunks) if len(chunks) != 1 else chunks[0]
+        finally:
+            os.close(fd)
 
 
 def torch_load(path: Path, map_location: Any = "cpu") -> Any:
@@ -92,7 +129,8 @@ def save_model_weights(state_dict: Mapping[str, torch.Tensor], folder: Path, ind
 
         path = folder / SAFE_MODEL.format(suffix=suffix(index))
         tensors = {k: v.cpu() for k, v in dedupe_shared_tensors(state_dict).items()}
-        write_file(path, lambda file: save_file(tensors, str(file), metadata={"format": "pt"}))
+        write_file(path, lambda file: save_file(tensors, str(file), metadata={"format": "pt"}),
+                   lambda: _safetensors_bytes(tensors))
         return path
     path = folder / BIN_MODEL.format(suffix=suffix(index))
     torch_save({k: v.cpu() for k, v in state_dict.items()}, path)
@@ -177,8 +215,15 @@ def save_gradient_tensors(grads: Mapping[str, torch.Tensor], path: Path) -> bool
         return False
     from safetensors.torch import save_file
 
-    write_file(path, lambda file: save_file(dict(grads), str(file), metadata={"format": "pt"}))
+    write_file(path, lambda file: save_file(dict(grads), str(file), metadata={"format": "pt"}),
+               lambda: _safetensors_bytes(dict(grads)))
     return True
+
+
+def _safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save(dict(tensors), metadata={"format": "pt"})
 
 
 def read_gradients(path: Path) -> dict[str, torch.Tensor]:

@@ -53,35 +53,64 @@ def saved_process_count(folder: Path, manifest: Mapping[str, Any] | None) -> int
 
 def check_process_count(folder: Path, manifest: Mapping[str, Any] | None, num_processes: int,
                         loader_states: list[Mapping[str, Any]]) -> str | None:
-    """Accept a checkpoint saved by more processes than run now; return the warning to print (or None).
+    """Accept a checkpoint saved by another number of processes; return the warning to print (or None).
 
-    Refused: more processes now than at save time (the extra ones have no random state), partial
-    gradients of processes that no longer exist, and data loaders saved in the middle of an epoch (the
-    position of each process in the epoch does not carry over to another number of processes).
+    Refused (the same message on every process, before anything changed): partial gradients saved
+    inside an accumulation window (each process's own; they do not map onto another count), and data
+    loaders saved mid-epoch by an older hasten, whose state holds only each process's batch count.
+    Data loaders of this version store their position as a global sample count and are checked by the
+    loaders themselves (``check_state_dict``).
     """
     saved = saved_process_count(folder, manifest)
     if saved == 0 or saved == num_processes:
         return None
-    if saved < num_processes:
-        raise CheckpointError(f"{folder} was saved by {saved} process(es) but this run has {num_processes}: the "
-                              f"processes {saved}..{num_processes - 1} would have no random generator state. Resume "
-                              f"with at most {saved} processes (hasten launch --num_processes {saved}).")
-    gradients = sorted(name for name in os.listdir(folder)
-                       if (m := _GRADIENTS_RE.match(name)) and int(m.group(1)) >= num_processes)
+    gradients = sorted(name for name in os.listdir(folder) if _GRADIENTS_RE.match(name))
     if gradients:
         raise CheckpointError(f"{folder} was saved by {saved} processes inside a gradient-accumulation window; the "
-                              f"partial gradients of the processes this run lacks ({', '.join(gradients[:4])}) cannot "
-                              f"be mapped onto {num_processes}. Resume with {saved} processes, or from a checkpoint "
-                              "saved at an optimizer step.")
-    mid_epoch = [i for i, state in enumerate(loader_states) if int(state.get("batches_yielded", 0))]
-    if mid_epoch:
-        raise CheckpointError(f"{folder} was saved by {saved} processes in the middle of an epoch (data loaders "
-                              f"{mid_epoch}); how far each process got does not map onto {num_processes} processes. "
-                              f"Resume with {saved} processes, or from a checkpoint saved at an epoch boundary.")
-    dropped = ", ".join(f"random_states_{r}.pkl" for r in range(num_processes, saved))
-    return (f"{folder} was saved by {saved} processes and is loaded into {num_processes}: dropped the random "
-            f"generator states of processes {num_processes}..{saved - 1} ({dropped}); the data loader (sampler) "
-            "states are at an epoch boundary and carry over unchanged.")
+                              f"partial gradients of each process ({', '.join(gradients[:4])}) cannot be mapped onto "
+                              f"{num_processes} processes. Resume with {saved} processes, or from a checkpoint saved "
+                              "at an optimizer step.")
+    old = [i for i, state in enumerate(loader_states)
+           if int(state.get("batches_yielded", 0)) and "samples_yielded" not in state and "num_processes" not in state]
+    if old:
+        raise CheckpointError(f"{folder} was saved by {saved} processes in the middle of an epoch by an older hasten "
+                              f"(data loaders {old} store each process's batch count, not a global sample count); "
+                              f"the position does not map onto {num_processes} processes. Resume with {saved} "
+                              "processes, or from a checkpoint saved at an epoch boundary.")
+    if saved > num_processes:
+        dropped = ", ".join(f"random_states_{r}.pkl" for r in range(num_processes, saved))
+        return (f"{folder} was saved by {saved} processes and is loaded into {num_processes}: dropped the random "
+                f"generator states of processes {num_processes}..{saved - 1} ({dropped}); data loaders continue at "
+                "the saved global sample.")
+    return (f"{folder} was saved by {saved} processes and is loaded into {num_processes}: processes "
+            f"{saved}..{num_processes - 1} have no random generator state and derive one from process "
+            f"(rank % {saved})'s (see derive_rng_state); data loaders continue at the saved global sample.")
+
+
+def rng_source(folder: Path, manifest: Mapping[str, Any] | None, process_index: int,
+               num_processes: int) -> tuple[Path, bool]:
+    """The ``random_states_*.pkl`` this process restores, and whether its state must be derived.
+
+    A process that existed at save time reads its own file. A process the saving run did not have
+    (``process_index >= saved``) reads ``random_states_{process_index % saved}.pkl`` and derives its own
+    state from it (:func:`hasten.checkpointing.rng.derive_rng_state`).
+    """
+    saved = saved_process_count(folder, manifest)
+    if 0 < saved <= process_index:
+        return folder / f"random_states_{process_index % saved}.pkl", True
+    return folder / f"random_states_{process_index}.pkl", False
+
+
+def check_loader_states(folder: Path, loaders: list[Any], states: list[Mapping[str, Any]]) -> None:
+    """Ask each loader whether it can take its saved position (``check_state_dict``); raise if not."""
+    for i, (loader, state) in enumerate(zip(loaders, states)):
+        check = getattr(loader, "check_state_dict", None)
+        if check is None:
+            continue
+        try:
+            check(state)
+        except ValueError as exc:
+            raise CheckpointError(f"{folder}: data loader #{i}: {exc}") from exc
 
 
 def missing_rng_message(folder: Path, rng_path: Path, manifest: Mapping[str, Any] | None, process_index: int,
@@ -105,5 +134,5 @@ def check_rng_state(state: dict[str, Any], path: Path) -> None:
         restore_rng_state(current, path)
 
 
-__all__ = ["check_optimizer_state", "check_process_count", "check_rng_state", "missing_rng_message",
-           "saved_process_count"]
+__all__ = ["check_loader_states", "check_optimizer_state", "check_process_count", "check_rng_state",
+           "missing_rng_message", "rng_source", "saved_process_count"]

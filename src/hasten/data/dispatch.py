@@ -196,6 +196,9 @@ class DataLoaderDispatcher(ResumableMixin, DataLoaderStateMixin, DataLoader):
             return whole // self.state.num_processes
         return math.ceil(whole / self.state.num_processes)
 
+    def _data_processes(self) -> int:
+        return int(self.state.num_processes)
+
     @property
     def total_batch_size(self) -> int:
         """The global batch size."""

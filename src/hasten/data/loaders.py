@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from hasten.data.samplers import batches_after, offsets_samples
 from hasten.exceptions import ConfigurationError
 from hasten.ops import send_to_device, synchronize_rng_states
 from hasten.ops.tree import find_batch_size
 from hasten.state import GradientState
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: samples_yielded, num_processes, global_batch_size
 
 
 def make_mover(device: torch.device | str | int | None, non_blocking: bool = False) -> Callable[[Any], Any] | None:
@@ -86,16 +87,37 @@ class _SkipOnce:
         return max(0, len(self.base) - self.skip)  # type: ignore[arg-type]
 
 
+class _OffsetOnce:
+    """The batches of ``base`` for a pass that starts ``samples`` indices into the epoch (one pass)."""
+
+    def __init__(self, base: Any, samples: int) -> None:
+        self.base, self.samples = base, samples
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return batches_after(self.base, self.samples)
+
+    def __len__(self) -> int:
+        return len(self.base)  # an upper bound; torch uses it only for warnings about workers
+
+
 class _IndexSkipMixin:
-    """Lets a map-style loader start its next pass ``n`` batches in, without loading them."""
+    """Lets a map-style loader start its next pass ``n`` batches (or samples) in, without loading them."""
 
     _skip_in_iterator = 0
+    _offset_in_iterator = 0
 
     @property
     def _index_sampler(self) -> Any:
         base = self.batch_sampler if self.batch_sampler is not None else self.sampler  # type: ignore[attr-defined]
+        if self._offset_in_iterator:
+            return _OffsetOnce(base, self._offset_in_iterator)
         skip = self._skip_in_iterator
         return _SkipOnce(base, skip) if skip else base
+
+    def _offsets_samples(self) -> bool:
+        """Whether the next pass can start at any sample of the epoch (map-style, plain batch sampler)."""
+        base = self.batch_sampler if self.batch_sampler is not None else self.sampler  # type: ignore[attr-defined]
+        return self._skips_indices() and offsets_samples(base)
 
     def _skips_indices(self) -> bool:
         # A persistent worker pool keeps the index sampler it was created with for every later pass, so
@@ -103,14 +125,19 @@ class _IndexSkipMixin:
         persistent = self.persistent_workers and self.num_workers > 0  # type: ignore[attr-defined]
         return not isinstance(self.dataset, IterableDataset) and not persistent  # type: ignore[attr-defined]
 
-    def _open_iterator(self, skip: int) -> tuple[Iterator[Any], int]:
-        """The base iterator for a pass and how many batches are still to be discarded from it."""
+    def _open_iterator(self, skip: int, offset: int = 0) -> tuple[Iterator[Any], int]:
+        """The base iterator for a pass and how many batches are still to be discarded from it.
+
+        ``offset`` (samples into the epoch's order) is only ever set where :meth:`_offsets_samples` holds.
+        """
         index_skip = skip if skip and self._skips_indices() else 0
         self._skip_in_iterator = index_skip
+        self._offset_in_iterator = offset
         try:
             iterator = DataLoader.__iter__(self)  # type: ignore[arg-type]
         finally:
             self._skip_in_iterator = 0
+            self._offset_in_iterator = 0
         return iterator, skip - index_skip
 
 
@@ -147,17 +174,29 @@ class DataLoaderStateMixin:
 
 
 class ResumableMixin:
-    """Epoch counter, generator snapshots and position in the pass: the state for exact resume."""
+    """Epoch counter, generator snapshots and position in the pass: the state for exact resume.
+
+    The position is saved twice: ``batches_yielded`` (this process's batches, the unit of a resume on
+    the same layout) and ``samples_yielded``, the number of samples of the epoch's global order the
+    whole run has used (batches x global batch size). A resume on another number of processes, or
+    with another per-process batch size, starts the pass at that global sample (see
+    :meth:`check_state_dict`).
+    """
 
     iteration: int = 0
     _progress: list[int] = [0]  # batches of the current pass handed out (a list: see _start_pass)
     _pending_skip: int = 0
+    _pending_offset: int = 0  # samples into the epoch's order where the next pass starts
+    _pass_offset: int = 0
+    _native_shards: int | None = None  # set by prepare for file-sharded streams (no global order)
     _pass_token: object | None = None
     _start_states: list[torch.Tensor] | None = None
 
     def _init_resume(self, iteration: int, skip_batches: int) -> None:
         self.iteration = iteration
         self._pending_skip = int(skip_batches)
+        self._pending_offset = 0
+        self._pass_offset = 0
         self._progress = [0]
         self._pass_token = None
         self._start_states = None
@@ -178,6 +217,7 @@ class ResumableMixin:
 
     def _start_pass(self) -> tuple[object, int]:
         skip, self._pending_skip = self._pending_skip, 0
+        self._pass_offset, self._pending_offset = self._pending_offset, 0
         token = object()
         self._pass_token = token
         self._start_states = [g.get_state() for g in self._generators()]
@@ -190,16 +230,73 @@ class ResumableMixin:
         if self._pass_token is token:
             self.iteration += 1
             self._progress = [0]
+            self._pass_offset = 0
             self._pass_token = None
 
     def _close_pass(self, token: object) -> None:
         # Each pass registered the loader once; an abandoned pass (``break``) is closed here too.
         self.end()  # type: ignore[attr-defined]
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands: epoch, generator states at the epoch's start, batches yielded.
+    # ------------------------------------------------------------------ layout, for the global position
+    def _data_processes(self) -> int:
+        """How many processes share this loader's epoch (the data-parallel degree it was sharded for)."""
+        if self._native_shards is not None:
+            return self._native_shards
+        for owner in (getattr(self, "batch_sampler", None), getattr(self, "sampler", None),
+                      getattr(self, "dataset", None)):
+            count = getattr(owner, "num_processes", None)
+            if isinstance(count, int):
+                return count
+        return 1
 
-        Everything is an int or a uint8 tensor, so ``torch.load(weights_only=True)`` reads it back.
+    def _global_batch_size(self) -> int | None:
+        """Samples of the epoch's order one batch of every process uses (None: not a fixed number)."""
+        if self._native_shards is not None:
+            return None  # file shards per process: no global order to count in
+        try:
+            size = self.total_batch_size if hasattr(self, "total_batch_size") else self.batch_size  # type: ignore[attr-defined]
+            return int(size) if size else None
+        except (TypeError, ValueError, AttributeError):
+            return None
+
+    def _offsets_samples(self) -> bool:
+        return False
+
+    def _resume_point(self, state: dict[str, Any]) -> tuple[int, int]:
+        """``(batches to skip, samples to skip)`` for the next pass from a saved position.
+
+        Raises:
+            ValueError: the position cannot be mapped onto this loader's layout (message says why).
+        """
+        batches = int(state.get("batches_yielded", 0))
+        samples, saved_n = state.get("samples_yielded"), state.get("num_processes")
+        size, n = self._global_batch_size(), self._data_processes()
+        if samples is not None and size is not None:
+            samples = int(samples)
+            if samples % size == 0:
+                return samples // size, 0
+            if self._offsets_samples():
+                return 0, samples
+            raise ValueError(
+                f"this data loader was saved {samples} samples into its epoch, which its global batch size of "
+                f"{size} does not divide, and it cannot start a pass in the middle of a batch (only map-style "
+                "loaders with a plain batch sampler and no persistent workers can). Keep the global batch size "
+                f"(per-process batch x processes) at {state.get('global_batch_size', 'the saved one')}, or resume "
+                "from a checkpoint saved at an epoch boundary.")
+        if not batches or saved_n is None or int(saved_n) == n:
+            return batches, 0  # same layout (or an older state that names none: the caller checks the count)
+        raise ValueError(
+            f"this data loader was saved by {saved_n} processes {batches} batches into an epoch, but its batches "
+            f"have no fixed global size, so the position does not map onto {n} processes. Resume with {saved_n} "
+            "processes, or from a checkpoint saved at an epoch boundary.")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: epoch, generator states at the epoch's start, position in the pass.
+
+        The position is ``batches_yielded`` (this process's batches) and, when the global batch size is
+        fixed, ``samples_yielded`` (samples of the epoch's global order used by all processes together),
+        with ``num_processes`` and ``global_batch_size``. Everything is an int or a uint8 tensor, so
+        ``torch.load(weights_only=True)`` reads it back.
 
         Example:
             >>> state = loader.state_dict()   # e.g. in the middle of an epoch
@@ -208,16 +305,19 @@ class ResumableMixin:
         in_pass = self._pass_token is not None
         states = self._start_states if in_pass and self._start_states is not None else \
             [g.get_state() for g in self._generators()]
-        return {"version": _STATE_VERSION, "epoch": int(self.iteration),
-                "batches_yielded": int(self._progress[0] if in_pass else self._pending_skip),
-                "generator_states": [s.clone() for s in states]}
+        batches = int(self._progress[0] if in_pass else self._pending_skip)
+        state: dict[str, Any] = {"version": _STATE_VERSION, "epoch": int(self.iteration), "batches_yielded": batches,
+                                 "generator_states": [s.clone() for s in states],
+                                 "num_processes": self._data_processes()}
+        size = self._global_batch_size()
+        if size is not None:
+            offset = self._pass_offset if in_pass else self._pending_offset
+            state["global_batch_size"] = size
+            state["samples_yielded"] = int(offset + batches * size)
+        return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output: the next pass continues where the saved one stopped.
-
-        Raises:
-            ValueError: the state holds a different number of generators than this loader has.
-        """
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``ValueError`` unless :meth:`load_state_dict` would accept ``state_dict``; changes nothing."""
         states = list(state_dict.get("generator_states", []))
         generators = self._generators()
         if len(states) != len(generators):
@@ -225,12 +325,27 @@ class ResumableMixin:
                 f"This data loader state holds {len(states)} generator state(s) but the loader has "
                 f"{len(generators)} generator(s): prepare the same kind of loader (shuffled or not, same sampler) "
                 "before loading its state.")
-        for gen, state in zip(generators, states):
+        self._resume_point(state_dict)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output: the next pass continues where the saved one stopped.
+
+        A state saved with another number of processes or another per-process batch size continues at
+        the same sample of the epoch's global order (``samples_yielded``).
+
+        Raises:
+            ValueError: the state holds a different number of generators than this loader has, or a
+                position this loader's layout cannot start at (:meth:`check_state_dict`).
+        """
+        self.check_state_dict(state_dict)
+        skip, offset = self._resume_point(state_dict)
+        for gen, state in zip(self._generators(), state_dict.get("generator_states", [])):
             gen.set_state(torch.as_tensor(state, dtype=torch.uint8).clone())
         self._pass_token = None
         self._start_states = None
         self.set_epoch(int(state_dict.get("epoch", 0)))  # type: ignore[attr-defined]
-        self._pending_skip = int(state_dict.get("batches_yielded", 0))
+        self._pending_skip = skip
+        self._pending_offset = offset
 
     def adjust_state_dict_for_prefetch(self) -> None:
         """Nothing to adjust: the state counts batches handed to the loop, never ones read ahead."""
@@ -325,7 +440,7 @@ class DataLoaderShard(_IndexSkipMixin, ResumableMixin, DataLoaderStateMixin, Dat
         try:
             self.begin()
             self.set_epoch(self.iteration)
-            iterator, data_skip = self._open_iterator(skip)
+            iterator, data_skip = self._open_iterator(skip, self._pass_offset)
             # Hot path, one generator level: read one batch ahead so `end_of_dataloader` is set before the
             # last batch is handed out; move each batch as soon as it is read (overlaps async copies).
             current = next(iterator, _END)
@@ -413,7 +528,7 @@ class DataLoaderAdapter(_IndexSkipMixin, ResumableMixin, DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub names its private iterator
         token, skip = self._start_pass()
         progress = self._progress
-        iterator, data_skip = self._open_iterator(skip)
+        iterator, data_skip = self._open_iterator(skip, self._pass_offset)
         for _ in range(data_skip):
             if next(iterator, _END) is _END:
                 break

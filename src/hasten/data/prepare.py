@@ -238,6 +238,8 @@ def _prepare_iterable(dataloader: DataLoader, kwargs: dict[str, Any], device: to
                                synchronized_generator=generator, _drop_last=dataloader.drop_last,
                                _non_blocking=non_blocking, **kwargs)
     prepared._generator_agreed = True
+    if num_processes != 1 and not isinstance(dataset, IterableDatasetShard):
+        prepared._native_shards = num_processes  # file shards: a position does not map onto another count
     return prepared
 
 
@@ -266,6 +268,7 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         raise ConfigurationError(f"skip_first_batches(num_batches={num_batches}): use a number >= 0.")
     if isinstance(dataloader, ResumableMixin):
         dataloader._pending_skip = int(num_batches)
+        dataloader._pending_offset = 0
         return dataloader
     kwargs = _loader_kwargs(dataloader)
     dataset = dataloader.dataset

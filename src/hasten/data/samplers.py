@@ -158,18 +158,21 @@ def iter_no_split(batches: Iterable[list[int]], n: int, rank: int, batch_size: i
 
 
 def iter_split(batches: Iterable[list[int]], n: int, rank: int, batch_size: int, drop_last: bool,
-               even: bool) -> Iterator[list[int]]:
-    """Every full batch is cut into ``n`` contiguous pieces; piece ``rank`` is this process's batch."""
+               even: bool, head: list[int] | None = None) -> Iterator[list[int]]:
+    """Every full batch is cut into ``n`` contiguous pieces; piece ``rank`` is this process's batch.
+
+    ``head`` is the epoch's first batch when ``batches`` start later in the epoch (the padding source).
+    """
     piece = batch_size // n
     lo, hi = piece * rank, piece * (rank + 1)
-    first: list[int] = []
+    first: list[int] = list(head) if head is not None else []
     batch: list[int] = []
     for idx, batch in enumerate(batches):
-        if idx == 0:
+        if idx == 0 and head is None:
             first = list(batch)
         if len(batch) == batch_size:
             yield batch[lo:hi]
-    if drop_last or not first or len(batch) >= batch_size:
+    if drop_last or not first or not batch or len(batch) >= batch_size:
         return
     if not even:
         if len(batch) > lo:
@@ -185,8 +188,12 @@ def _chunks(indices: list[int], batch_size: int, drop_last: bool) -> list[list[i
 
 
 def _rank_batches_fast(indices: list[int], n: int, rank: int, batch_size: int, drop_last: bool,
-                       even: bool) -> list[list[int]]:
-    """:func:`iter_no_split` over the chunks of ``indices``, touching only this rank's full rounds."""
+                       even: bool, head: list[int] | None = None) -> list[list[int]]:
+    """:func:`iter_no_split` over the chunks of ``indices``, touching only this rank's full rounds.
+
+    ``head`` is the whole epoch's order when ``indices`` is its tail (a resumed pass): the padding of
+    an uneven end comes from the epoch's first batches, as in the uninterrupted pass.
+    """
     total = len(indices) // batch_size if drop_last else -(-len(indices) // batch_size)
     last_full = total > 0 and (drop_last or len(indices) % batch_size == 0)
     rounds = total // n
@@ -199,7 +206,8 @@ def _rank_batches_fast(indices: list[int], n: int, rank: int, batch_size: int, d
         return out
     done = rounds * n
     rest = [indices[i * batch_size:(i + 1) * batch_size] for i in range(done, total)]
-    first = [indices[i * batch_size:(i + 1) * batch_size] for i in range(min(n, total))]
+    source = indices if head is None else head
+    first = [source[i * batch_size:(i + 1) * batch_size] for i in range(min(n, -(-len(source) // batch_size)))]
     pending = rest[rank] if rank < len(rest) else []
     out.extend(_tail_no_split(pending, rest[-1] if rest else [], first, total - 1, batch_size, n, rank, even)
                if rest else [])
@@ -285,21 +293,54 @@ class BatchSamplerShard(BatchSampler):
             self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[list[int]]:
+        return self.iter_after(0)
+
+    def iter_after(self, samples: int) -> Iterator[list[int]]:
+        """This process's batches of a pass that starts ``samples`` indices into the epoch's order.
+
+        ``samples`` > 0 needs a plain ``BatchSampler`` with a fixed batch size inside (see
+        :func:`offsets_samples`): the remaining indices are dealt out as a fresh pass would, and an
+        uneven end is padded from the epoch's first indices, as the uninterrupted pass pads it.
+        """
         inner = self.batch_sampler
         n, rank, size = self.num_processes, self.process_index, self.batch_size
         if type(inner) is BatchSampler and isinstance(size, int):
             # Whole epoch at once; lazily, so the generator is consumed when the first batch is asked for,
             # exactly when the original batch sampler would consume it.
             indices = epoch_indices(inner.sampler)
+            rest, head = (indices[samples:], indices) if samples else (indices, None)
             if self.split_batches:
-                yield from iter_split(_chunks(indices, size, self.drop_last), n, rank, size, self.drop_last,
-                                      self.even_batches)
+                yield from iter_split(_chunks(rest, size, self.drop_last), n, rank, size, self.drop_last,
+                                      self.even_batches, head=head[:size] if head is not None else None)
             else:
-                yield from _rank_batches_fast(indices, n, rank, size, self.drop_last, self.even_batches)
-        elif self.split_batches:
+                yield from _rank_batches_fast(rest, n, rank, size, self.drop_last, self.even_batches, head=head)
+            return
+        if samples:
+            raise ValueError(f"{type(inner).__name__} cannot start a pass {samples} samples in (only a plain "
+                             "BatchSampler with a batch size can)")
+        if self.split_batches:
             yield from iter_split(inner, n, rank, size, self.drop_last, self.even_batches)  # type: ignore[arg-type]
         else:
             yield from iter_no_split(inner, n, rank, size, self.drop_last, self.even_batches)
+
+
+def offsets_samples(batch_sampler: Any) -> bool:
+    """Whether :func:`batches_after` can start a pass of ``batch_sampler`` at any sample of the epoch."""
+    inner = batch_sampler.batch_sampler if isinstance(batch_sampler, BatchSamplerShard) else batch_sampler
+    return (type(inner) is BatchSampler and isinstance(getattr(inner, "batch_size", None), int)
+            and not isinstance(inner.sampler, BatchSampler))  # indices, not batches, inside
+
+
+def batches_after(batch_sampler: Any, samples: int) -> Iterator[list[int]]:
+    """The batches of a pass of ``batch_sampler`` that starts ``samples`` indices into the epoch's order.
+
+    Used to resume on another number of processes when the global batch size does not divide the
+    samples already used; the generator is consumed exactly as by a whole pass.
+    """
+    if isinstance(batch_sampler, BatchSamplerShard):
+        return batch_sampler.iter_after(samples)
+    indices = epoch_indices(batch_sampler.sampler)[samples:]
+    return iter(_chunks(indices, batch_sampler.batch_size, batch_sampler.drop_last))
 
 
 class SkipBatchSampler(BatchSampler):

@@ -304,7 +304,9 @@ class DeepSpeedStrategy(Strategy):
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:
-        """The engine's folders exist, saved by as many processes as this run has (ZeRO shards)."""
+        """The engine's folders exist and their files are safe; ZeRO-1/2 shards of another count are
+        converted on load (:mod:`hasten.checkpointing.universal`), ZeRO-3 shards must match the count."""
+        universal: dict[str, int] = {}
         for tag, engine in self._engines(models):
             sub = Path(folder) / tag
             if not sub.is_dir() or not any(sub.glob("*model_states.pt")):
@@ -312,19 +314,81 @@ class DeepSpeedStrategy(Strategy):
                                       "DeepSpeed (or by another model count); load it without DeepSpeed.")
             ranks = len(list(sub.glob("*optim_states.pt")))
             if engine.zero_optimization() and ranks != self.num_processes:
-                raise CheckpointError(f"{sub} was saved by {ranks} DeepSpeed processes but this run has "
-                                      f"{self.num_processes}; ZeRO shards load only into the same number of processes.")
+                if engine.zero_optimization_stage() > 2:
+                    raise CheckpointError(f"{sub} was saved by {ranks} DeepSpeed processes but this run has "
+                                          f"{self.num_processes}; ZeRO-3 shards load only into the same number of "
+                                          "processes (ZeRO-1/2 checkpoints are converted automatically).")
+                universal[tag] = ranks
             # DeepSpeed reads its files with weights_only=False: refuse any that names a non-allowed type.
             check_deepspeed_files(sorted(sub.glob("*.pt")))
-        return CheckedState()  # the engine loads models and optimizers itself
+        return CheckedState(models=universal)  # the engine loads models and optimizers itself
 
     def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
              checked: CheckedState, *, strict: bool = True) -> None:
-        """``engine.load_checkpoint`` for every engine."""
-        for tag, engine in self._engines(models):
-            path, _ = engine.load_checkpoint(str(folder), tag=tag)
-            if path is None:
-                raise CheckpointError(f"DeepSpeed could not load {Path(folder) / tag}.")
+        """``engine.load_checkpoint`` for every engine (from a universal conversion on another count)."""
+        universal: dict[str, int] = checked.models or {}
+        root = self._convert_to_universal(Path(folder), universal) if universal else None
+        try:
+            for tag, engine in self._engines(models):
+                convert = root is not None and tag in universal
+                source = root if convert and root is not None else Path(folder)
+                previous = engine._config.load_universal_checkpoint
+                engine._config.load_universal_checkpoint = convert
+                try:
+                    path, _ = engine.load_checkpoint(str(source), tag=tag)
+                finally:
+                    engine._config.load_universal_checkpoint = previous
+                if path is None:
+                    raise CheckpointError(f"DeepSpeed could not load {Path(folder) / tag}.")
+        finally:
+            if root is not None:
+                self._remove_conversion(root)
+
+    def _convert_to_universal(self, folder: Path, universal: dict[str, int]) -> Path:
+        """One process per machine converts into a temporary folder; every process learns the outcome."""
+        import os
+        import tempfile
+        import uuid
+
+        import torch.distributed as dist
+
+        from hasten.checkpointing.universal import convert_to_universal
+
+        name = [uuid.uuid4().hex]
+        if dist.is_initialized():
+            dist.broadcast_object_list(name, src=0)
+        root = Path(tempfile.gettempdir()) / f"hasten-universal-{name[0]}"
+        error = None
+        if int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0)) == 0:
+            try:
+                for tag in universal:
+                    convert_to_universal(folder / tag, root / tag)
+            except CheckpointError as exc:
+                error = str(exc)
+        errors = [error]
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            self._remove_conversion(root)
+            raise CheckpointError(failed)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            saved = ", ".join(f"{tag}: {ranks}" for tag, ranks in universal.items())
+            warnings.warn(f"{folder} holds ZeRO shards of another number of processes ({saved}); converted them to "
+                          f"DeepSpeed's universal checkpoint to load them into {self.num_processes}.", UserWarning,
+                          stacklevel=2)
+        return root
+
+    @staticmethod
+    def _remove_conversion(root: Path) -> None:
+        import shutil
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()  # every process has read it
+        shutil.rmtree(root, ignore_errors=True)
 
     def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Refused: the engine keeps partial gradients in its own partitioned buffers, outside its checkpoint.

@@ -1,0 +1,236 @@
+"""Asynchronous ``save_state``: a snapshot in host memory now, writing and publication in the background.
+
+``save_state(..., async_save=True)`` runs the same code as a synchronous save, but while it runs the
+staging folder is *captured*: every file hasten serialises (:func:`hasten.checkpointing.files.write_file`)
+is serialised on the calling thread into bytes in host memory, with the same serialiser, so the
+snapshot is consistent with the training state at the call and the files are byte for byte those of a
+synchronous save. Training then goes on while a background thread (one per process):
+
+1. writes those bytes into the staging folder, CRC-32s and fsyncs each file
+   (:class:`hasten.checkpointing.sealing.Sealer`);
+2. tells the other processes it is done (or that it failed) on a process group of its own (gloo),
+   so that it never interleaves with the training loop's collectives;
+3. once **every** process's files are durable, publishes the folder exactly as a synchronous save
+   does (manifest, atomic swap, rotation), and prunes old checkpoints.
+
+Until step 3 the previous checkpoint is untouched, so a crash or ``kill -9`` at any moment leaves it
+loadable, never a half one. At most one save is in flight: the next ``save_state``, ``load_state``,
+``wait_for_checkpoint`` and ``end_training`` wait for it, and raise its failure (the same message on
+every process, naming the process and the file). Files an engine writes itself (DCP's for FSDP2
+sharded state dicts, DeepSpeed's) are written on the calling thread as in a synchronous save; only
+their publication is in the background.
+
+Memory: the snapshot holds the serialised bytes of this process's files (about the size of what it
+writes) until they are written; it is freed before the next save can start.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hasten.checkpointing import sealing
+from hasten.exceptions import CheckpointError
+
+_CAPTURING: dict[Path, Snapshot] = {}
+_LOCK = threading.Lock()
+
+
+class Snapshot:
+    """The serialised files of one process's part of an asynchronous save, waiting to be written."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.files: list[tuple[Path, bytes]] = []
+
+    def add(self, path: Path, data: bytes) -> None:
+        """Keep ``data`` to be written to ``path`` (inside the staging folder) later."""
+        self.files.append((path, data))
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the snapshot holds."""
+        return sum(len(data) for _, data in self.files)
+
+    def write_out(self, after_file: Callable[[Path], None] | None = None) -> dict[str, tuple[int, str]]:
+        """Write, checksum and fsync every file; ``{relative path: (size, crc32 hex)}`` of what it wrote.
+
+        Raises:
+            CheckpointError: a write or an fsync failed (names the file).
+        """
+        sealer = sealing.Sealer(self.folder)
+        try:
+            while self.files:
+                path, data = self.files.pop(0)  # freed as soon as it is written
+                try:
+                    with open(path, "wb") as out:
+                        out.write(data)
+                except OSError as exc:
+                    raise CheckpointError(f"writing {path} failed: {exc}") from exc
+                del data
+                sealer.seal(path)
+                if after_file is not None:
+                    after_file(path)
+            try:
+                return sealer.finish()
+            except OSError as exc:
+                raise CheckpointError(f"syncing a file of {self.folder} failed: {exc}") from exc
+        finally:
+            self.files.clear()
+            sealer._pool.shutdown(wait=True)
+
+
+def snapshot_for(path: Path) -> Snapshot | None:
+    """The snapshot capturing the staging folder ``path`` is written into, or None."""
+    if not _CAPTURING:
+        return None
+    with _LOCK:
+        for parent in path.parents:
+            if parent in _CAPTURING:
+                return _CAPTURING[parent]
+    return None
+
+
+@contextmanager
+def capture(folder: Path) -> Iterator[Snapshot]:
+    """Capture the files written into ``folder`` through ``write_file`` while the block runs."""
+    snapshot = Snapshot(folder)
+    with _LOCK:
+        _CAPTURING[folder] = snapshot
+    try:
+        yield snapshot
+    finally:
+        with _LOCK:
+            _CAPTURING.pop(folder, None)
+
+
+# ------------------------------------------------------------------------------ coordination
+class Coordinator:
+    """Agreement between the processes' background threads, on a gloo group of their own."""
+
+    def __init__(self, group: Any = None, rank: int = 0) -> None:
+        self.group, self.rank = group, rank
+
+    @classmethod
+    def create(cls, num_processes: int, rank: int) -> Coordinator:
+        """Collective (every process, on the calling thread): a side group for the background threads."""
+        import torch.distributed as dist
+
+        if num_processes == 1 or not dist.is_available() or not dist.is_initialized():
+            return cls(None, rank)
+        return cls(dist.new_group(backend="gloo"), rank)
+
+    def first_error(self, error: str | None) -> str | None:
+        """Every process's ``error``: the first one (with its process), the same on every process."""
+        if self.group is None:
+            return error
+        import torch.distributed as dist
+
+        everyone: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, error, group=self.group)
+        for rank, message in enumerate(everyone):
+            if message is not None:
+                return f"process {rank}: {message}"
+        return None
+
+
+@dataclass
+class Publication:
+    """What the background thread needs to publish a save (plain values: it never touches the Accelerator)."""
+
+    target: Path
+    staging: Path
+    num_processes: int
+    is_main: bool
+    is_local_main: bool
+    prune_limit: int | None  # automatic naming: prune beyond this many (None: no pruning)
+    automatic: bool
+
+
+def _attempt(step: Callable[[], Any]) -> tuple[Any, str | None]:
+    try:
+        return step(), None
+    except Exception as exc:  # noqa: BLE001 - agreed with the other processes, then raised on every one
+        return None, str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def finish(snapshot: Snapshot, pub: Publication, coordinator: Coordinator) -> None:
+    """The background part: write and seal, agree, publish, prune (same steps as a synchronous save)."""
+    from hasten.checkpointing.naming import publish, run_stage_hooks
+
+    sealed, error = _attempt(lambda: snapshot.write_out(lambda path: run_stage_hooks("async_written", path)))
+    if error is None:
+        _, error = _attempt(lambda: run_stage_hooks("before_publish", pub.staging))
+    steps: list[tuple[bool, Callable[[], Any]]] = [
+        (pub.is_main, lambda: publish(pub.target, pub.num_processes, sealed)),
+        # machines that do not share the main process's file system publish their own copy
+        (pub.is_local_main and not pub.is_main, lambda: publish(pub.target, pub.num_processes, sealed)),
+        (pub.is_main and pub.automatic, lambda: _published(pub)),
+    ]
+    agreed = coordinator.first_error(error)
+    for mine, step in steps:  # every process takes part in every agreement, whatever its role
+        if agreed is not None:
+            break
+        error = _attempt(step)[1] if mine else None
+        agreed = coordinator.first_error(error)
+    if agreed is not None:
+        published = pub.target.exists() and not pub.staging.exists()
+        state = "it was published" if published else "nothing was published; the previous checkpoint is intact"
+        raise CheckpointError(f"The background save of {pub.target} failed ({state}): {agreed}")
+
+
+def _published(pub: Publication) -> None:
+    from hasten.checkpointing.naming import prune, run_stage_hooks
+
+    run_stage_hooks("published", pub.target)
+    prune(pub.target.parent, pub.prune_limit)  # only now: never zero checkpoints
+
+
+class BackgroundSaver:
+    """At most one asynchronous save in flight; its failure is kept for the next :meth:`wait`."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, snapshot: Snapshot, pub: Publication) -> None:
+        """Finish ``snapshot`` in a background thread (call :meth:`wait` first)."""
+        assert self._thread is None, "one asynchronous save at a time"
+
+        def run() -> None:
+            try:
+                finish(snapshot, pub, self.coordinator)
+            except BaseException as exc:  # noqa: BLE001 - raised by wait() on the calling thread
+                self._error = exc  # the staging folder stays; the next save removes it, no load accepts it
+
+        # Not a daemon: the interpreter waits for it at exit, so a started save is never cut short.
+        self._thread = threading.Thread(target=run, name="hasten-async-save", daemon=False)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is still being written or published."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any); raise its failure.
+
+        Raises:
+            CheckpointError: the background save failed (the same message on every process).
+        """
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            if isinstance(error, CheckpointError):
+                raise CheckpointError(str(error)) from error
+            raise CheckpointError(f"The background save failed: {type(error).__name__}: {error}") from error
+
+
+__all__ = ["BackgroundSaver", "Coordinator", "Publication", "Snapshot", "capture", "finish", "snapshot_for"]

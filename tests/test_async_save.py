@@ -1,0 +1,214 @@
+"""``save_state(..., async_save=True)`` (issue 24, item 2).
+
+Ground truths: the files of a synchronous save of the same state (byte for byte, even when training
+changes the weights right after the call), the previous checkpoint's weights after a ``kill -9`` in the
+background, and the same error message on every process when the background fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import DataLoader
+
+from hasten import Accelerator, ProjectConfiguration
+from hasten.checkpointing import SAVE_STAGE_HOOKS, CheckpointError
+from hasten.testing import run_on_ranks
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def _setup(**kwargs):
+    accelerator = Accelerator(**kwargs)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    loader = DataLoader(torch.randn(40, 8), batch_size=4, shuffle=True)
+    accelerator.register_for_checkpointing(Progress())
+    return (accelerator, *accelerator.prepare(model, optimizer, scheduler, loader))
+
+
+def _step(accelerator, model, optimizer, scheduler, batch) -> None:
+    accelerator.backward(model(batch).pow(2).mean())
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _sync_then_async(root: str) -> tuple[dict, dict]:
+    accelerator, model, optimizer, scheduler, loader = _setup()
+    batches = iter(loader)
+    _step(accelerator, model, optimizer, scheduler, next(batches))  # mid-epoch, with optimizer state
+    sync = accelerator.save_state(Path(root) / "sync")
+    target = accelerator.save_state(Path(root) / "async", async_save=True)
+    _step(accelerator, model, optimizer, scheduler, next(batches))  # training changes the state in place at once
+    accelerator.wait_for_checkpoint()
+    return _files(sync), _files(target)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_async_save_equals_a_sync_save_byte_for_byte(tmp_path, world):
+    for sync, asynchronous in run_on_ranks(_sync_then_async, world_size=world, args=(str(tmp_path),)):
+        assert sync.keys() == asynchronous.keys() and "hasten_checkpoint.json" in sync
+        assert f"random_states_{world - 1}.pkl" in sync and "optimizer.bin" in sync and "dataloader_state.bin" in sync
+        for name in sync:
+            assert sync[name] == asynchronous[name], name
+
+
+def test_saves_wait_for_each_other_and_end_training_waits(tmp_path):
+    accelerator, model, optimizer, scheduler, loader = _setup(
+        project_config=ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True,
+                                            total_limit=2))
+    stages: list[str] = []
+    SAVE_STAGE_HOOKS.append(lambda stage, folder: stages.append(stage))
+    try:
+        for batch in list(loader)[:3]:
+            _step(accelerator, model, optimizer, scheduler, batch)
+            accelerator.save_state(async_save=True)
+            # the previous one is published: the next save_state waited for it
+            assert stages.count("published") >= accelerator.save_iteration - 1
+        accelerator.end_training()
+    finally:
+        SAVE_STAGE_HOOKS.clear()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]  # pruned as sync
+    saved = load_file(str(tmp_path / "checkpoints" / "checkpoint_2" / "model.safetensors"))
+    assert torch.equal(saved["0.weight"], accelerator.unwrap_model(model)[0].weight)
+    fresh, model2, *_ = _setup(project_config=ProjectConfiguration(project_dir=str(tmp_path),
+                                                                    automatic_checkpoint_naming=True))
+    assert fresh.load_state().name == "checkpoint_2"
+    assert torch.equal(fresh.unwrap_model(model2)[0].weight, accelerator.unwrap_model(model)[0].weight)
+
+
+def _failing_background(root: str) -> tuple[str, str, bool]:
+    accelerator, model, optimizer, scheduler, loader = _setup()
+    previous = accelerator.save_state(Path(root) / "ck")
+    before = _files(previous)
+    rank = accelerator.process_index
+
+    def fail(stage: str, path: Path) -> None:
+        if stage == "async_written" and rank == accelerator.num_processes - 1 and path.name.startswith("random"):
+            raise OSError(28, "No space left on device", str(path))
+
+    _step(accelerator, model, optimizer, scheduler, next(iter(loader)))
+    SAVE_STAGE_HOOKS.append(fail)
+    try:
+        accelerator.save_state(Path(root) / "ck", async_save=True)
+        with pytest.raises(CheckpointError) as caught:
+            accelerator.wait_for_checkpoint()
+    finally:
+        SAVE_STAGE_HOOKS.clear()
+    intact = _files(Path(root) / "ck") == before
+    accelerator.save_state(Path(root) / "ck", async_save=True)  # the next one works and replaces it
+    accelerator.wait_for_checkpoint()
+    replaced = (Path(root) / "ck" / "model.safetensors").read_bytes() != before["model.safetensors"]
+    return str(caught.value), replaced, intact
+
+
+@pytest.mark.world_size(2)
+def test_a_background_failure_is_raised_on_every_process_and_keeps_the_previous_checkpoint(tmp_path):
+    message, replaced, intact = _failing_background(str(tmp_path))
+    assert intact and replaced
+    assert "The background save of" in message and "nothing was published; the previous checkpoint is intact" in message
+    assert "process 1: " in message and "random_states_1.pkl" in message and "No space left on device" in message
+
+
+KILLED_IN_BACKGROUND = textwrap.dedent("""
+    import sys, threading, torch
+    from torch import nn
+    from hasten import Accelerator
+    from hasten.checkpointing import SAVE_STAGE_HOOKS
+    folder, stage = sys.argv[1], sys.argv[2]
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = accelerator.prepare(nn.Linear(3, 3))
+    accelerator.save_state(folder)                          # complete
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    def pause(name, path):
+        if name == stage and threading.current_thread().name == "hasten-async-save":
+            print("PAUSED", flush=True)
+            sys.stdin.readline()                            # the background thread waits here until killed
+    SAVE_STAGE_HOOKS.append(pause)
+    accelerator.save_state(folder, async_save=True)
+    print("RETURNED", flush=True)                           # the loop goes on while the save is written
+    sys.stdin.readline()
+""")
+
+
+@pytest.mark.parametrize("stage", ["async_written", "before_publish"])
+def test_kill_during_a_background_save_keeps_the_previous_checkpoint(tmp_path, stage):
+    script = tmp_path / "save.py"
+    script.write_text(KILLED_IN_BACKGROUND)
+    folder = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, str(script), str(folder), stage], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True)
+    try:
+        lines = {proc.stdout.readline().strip(), proc.stdout.readline().strip()}
+        assert lines == {"PAUSED", "RETURNED"}
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "ck.tmp", "save.py"]
+    accelerator = Accelerator()
+    model = accelerator.prepare(nn.Linear(3, 3))
+    accelerator.load_state(folder)
+    saved = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(model.weight, saved["weight"])
+    torch.manual_seed(0)
+    assert torch.equal(saved["weight"], nn.Linear(3, 3).weight.detach())  # the first save's weights, not +1
+
+
+def _fsdp2_async(root: str) -> tuple[bool, bool]:
+    from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
+
+    accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def step() -> None:
+        accelerator.backward(model(torch.ones(4, 6)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    accelerator.save_state(Path(root) / "sync")
+    accelerator.save_state(Path(root) / "async", async_save=True)
+    step()
+    accelerator.wait_for_checkpoint()
+    moved = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    accelerator.load_state(Path(root) / "async")
+    from_async = accelerator.get_state_dict(model)
+    accelerator.load_state(Path(root) / "sync")
+    from_sync = accelerator.get_state_dict(model)
+    same = bool(from_sync) and all(torch.equal(from_async[k], from_sync[k]) for k in from_sync)
+    return same, any(not torch.equal(from_async[k], moved[k]) for k in moved)
+
+
+def test_an_fsdp2_sharded_async_save_loads_the_state_of_the_call(tmp_path):
+    same, differs_from_later = run_on_ranks(_fsdp2_async, world_size=2, args=(str(tmp_path),))[0]  # full on rank 0
+    assert same and differs_from_later
