@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # Lower index = lower layer. A module may import only from its own layer or below, wherever the import
 # statement is (module level or inside a function); only `if TYPE_CHECKING:` blocks are exempt.
 LAYERS = [
-    ["hasten.exceptions", "hasten._lazy", "hasten.utils"],
+    ["hasten.exceptions", "hasten._lazy", "hasten._accelerate_alias", "hasten.utils"],
     ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],
