@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 INVENTORY = ROOT / "tests" / "data" / "accelerate_inventory.json"
 
@@ -69,6 +71,19 @@ def test_accelerate_resolves_to_hastens_own_modules(tmp_path):
         """, tmp_path)
     assert out.split("\n")[:4] == ["import-error hasten.utils", "module-not-found accelerate.no_such_module",
                                    "attribute-error module 'accelerate' has no attribute 'no_such_name'", "undone"]
+
+
+def test_transformers_sees_it_as_accelerate(tmp_path):
+    pytest.importorskip("transformers")
+    out = _python("""
+        import hasten
+        hasten.install_as_accelerate()
+        from transformers.utils import is_accelerate_available
+        from transformers import Trainer, TrainingArguments
+        import transformers.trainer as trainer_module
+        print(is_accelerate_available(), trainer_module.Accelerator is hasten.Accelerator)
+        """, tmp_path)
+    assert out.split() == ["True", "True"]
 
 
 def test_refuses_when_the_real_accelerate_is_imported(tmp_path):
