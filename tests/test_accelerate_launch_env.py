@@ -6,10 +6,10 @@ Ground truth: Accelerate 1.15's own environment builders run on the same configu
 import json
 
 import pytest
-from hf_stack_helpers import accelerate_python, hasten_launch, run, script
 
 from hasten.config.env import accelerate_launch_env, launch_config_to_env
 from hasten.config.io import load_config_file
+from hf_stack_helpers import accelerate_python, hasten_launch, run, script
 
 CONFIGS = {
     "cpu_bf16": "distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nmixed_precision: bf16\n",
