@@ -85,8 +85,6 @@ def test_peft_and_trl(section, peft_trl_run):
 @pytest.mark.parametrize("processes", [1, 2])
 def test_same_losses_as_accelerate_with_dropout(tmp_path, processes):
     """The same script, switched from Accelerate 1.15 to hasten: every logged loss is bit-identical."""
-    from hasten.environments import find_free_port
-
     args = [TRAINER, "--no_resume", "--dropout", "0.1"]
     (tmp_path / "accelerate").mkdir()
     (tmp_path / "hasten").mkdir()
@@ -94,9 +92,9 @@ def test_same_losses_as_accelerate_with_dropout(tmp_path, processes):
         theirs = run([accelerate_python(), *args], tmp_path / "accelerate")
         ours = run([hf_python(), *args, "--alias"], tmp_path / "hasten")
     else:
-        theirs = run([accelerate_python(), "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
-                      "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                      "--main_process_port", str(find_free_port()), *args], tmp_path / "accelerate")
+        # Accelerate's CPU processes under torchrun (free port), with the variable `accelerate launch --cpu` sets
+        theirs = run([accelerate_python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                      *args], tmp_path / "accelerate", ACCELERATE_USE_CPU="True")
         ours = hasten_launch(tmp_path / "hasten", "--cpu", "--num_processes", "2", *args)
     theirs, ours = _result(theirs)["default"], _result(ours)["default"]
     assert theirs["processes"] == ours["processes"] == processes
