@@ -138,6 +138,9 @@ def test_convert_file_size_to_int():
 def test_get_max_memory_with_user_budget_sorts_and_never_queries_cuda(no_cuda):
     assert list(get_max_memory({"cpu": "1GB", 1: "2GB", 0: 10, "disk": "1TB"})) == [0, 1, "cpu", "disk"]
     assert get_max_memory({"0": "1KiB"}) == {0: 1024}
+    mine = {"cpu": "60KB", 0: 10}
+    get_max_memory(mine)
+    assert mine == {"cpu": 60_000, 0: 10}  # converted in place, as Accelerate does (Transformers relies on it)
     with pytest.raises(ValueError, match="'gpu'"):
         get_max_memory({"gpu": 10})
     with pytest.raises(ValueError, match="max_memory\\['cpu'\\]"):

@@ -81,7 +81,11 @@ def test_shuffle_agreed_across_ranks_and_equal_to_single_process():
     prepared = prepare_data_loader(DataLoader(Indices(32), batch_size=4, shuffle=True), put_on_device=True)
     before = torch.get_rng_state()
     epochs = [[b.tolist() for b in prepared] for _ in range(3)]
-    assert torch.equal(before, torch.get_rng_state())  # iteration never touches the global RNG
+    after = torch.get_rng_state()
+    torch.set_rng_state(before)
+    for _ in range(3):  # one base-seed draw per pass, as Accelerate's loader (torch's DataLoader) takes
+        torch.empty((), dtype=torch.int64).random_()
+    assert torch.equal(after, torch.get_rng_state())
     everyone = gather_object([epochs])
     global_orders = [[i for pair in zip(everyone[0][e], everyone[1][e]) for b in pair for i in b] for e in range(3)]
     assert all(sorted(order) == list(range(32)) for order in global_orders)

@@ -134,19 +134,42 @@ def test_skipped_map_style_batches_are_not_loaded():
     assert flat(prepared) == [[8, 9, 10, 11]] and loaded == [8, 9, 10, 11]
 
 
-def test_shuffled_pass_leaves_global_rng_untouched():
-    set_seed(0)
-    for kwargs in ({"shuffle": True}, {"shuffle": False}, {"shuffle": True, "generator": torch.Generator()}):
+def _advanced(state, draws):
+    """The global RNG state after ``draws`` base-seed draws (what torch's DataLoader takes per pass) from ``state``."""
+    saved = torch.get_rng_state()
+    torch.set_rng_state(state)
+    for _ in range(draws):
+        torch.empty((), dtype=torch.int64).random_()
+    advanced = torch.get_rng_state()
+    torch.set_rng_state(saved)
+    return advanced
+
+
+def test_each_fresh_pass_consumes_the_global_rng_as_accelerates_loader():
+    """One draw per pass when the user's loader has no generator (torch's base seed, which Accelerate's prepared
+    loader takes from the global RNG: the user's dropout masks stay the same); none with the user's own
+    generator; none for a pass that continues a restored position (exact resume)."""
+    for kwargs, draws in (({"shuffle": True}, 2), ({"shuffle": False}, 2),
+                          ({"shuffle": True, "generator": torch.Generator()}, 0)):
+        set_seed(0)
         prepared = prepare_data_loader(DataLoader(Indices(20), batch_size=3, **kwargs), num_processes=2,
                                        process_index=0)
         before = torch.get_rng_state()
         for _ in range(2):
             list(prepared)
-        assert torch.equal(before, torch.get_rng_state()), kwargs
-    raw = DataLoader(Indices(20), batch_size=3, shuffle=True)
+        assert torch.equal(_advanced(before, draws), torch.get_rng_state()), kwargs
+    set_seed(0)
+    prepared = prepare_data_loader(DataLoader(Indices(20), batch_size=3, shuffle=True), num_processes=2,
+                                   process_index=0)
+    iterator = iter(prepared)
+    next(iterator)
+    state = prepared.state_dict()
+    fresh = prepare_data_loader(DataLoader(Indices(20), batch_size=3, shuffle=True), num_processes=2,
+                                process_index=0)
+    fresh.load_state_dict(state)
     before = torch.get_rng_state()
-    list(raw)
-    assert not torch.equal(before, torch.get_rng_state())  # what the prepared loader avoids
+    list(fresh)  # the rest of the interrupted pass
+    assert torch.equal(before, torch.get_rng_state())
 
 
 def test_reproducibility_from_set_seed():

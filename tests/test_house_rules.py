@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # Lower index = lower layer. A module may import only from its own layer or below, wherever the import
 # statement is (module level or inside a function); only `if TYPE_CHECKING:` blocks are exempt.
 LAYERS = [
-    ["hasten.exceptions", "hasten._lazy", "hasten.utils"],
+    ["hasten.exceptions", "hasten._lazy", "hasten._accelerate_alias", "hasten.utils"],
     ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],
@@ -27,7 +27,8 @@ LAYERS = [
 # Accelerate-compatible re-export facades resolve their names lazily, from every layer: `hasten`,
 # `hasten.utils`, `hasten.utils.operations`, and the two `accelerate.utils.<module>` paths whose names
 # live higher up (`tqdm` in hasten.logging, `wait_for_everyone` in hasten.state).
-FACADES = {"hasten", "hasten.utils", "hasten.utils.operations", "hasten.utils.tqdm", "hasten.utils.other"}
+FACADES = {"hasten", "hasten.utils", "hasten.utils.operations", "hasten.utils.tqdm", "hasten.utils.other",
+           "hasten.utils.fsdp_utils"}
 # Known upward reaches, each inside an Accelerate-compatible helper that runs from user code at run
 # time (never at import). Listed so that the rule stays exact; each is a follow-up to move down.
 UPWARD_ALLOWED = {
@@ -36,6 +37,9 @@ UPWARD_ALLOWED = {
     ("hasten.utils.serialization", "hasten.state"),
     # accelerate.utils.deepspeed_required: is this run DeepSpeed
     ("hasten.utils.modeling", "hasten.state"),
+    # accelerate.utils.modeling.clean_device_map / get_max_layer_size (Transformers imports them there)
+    ("hasten.utils.modeling", "hasten.big_modeling.device_map"),
+    ("hasten.utils.modeling", "hasten.big_modeling.sizes"),
     # DistributedDataParallelKwargs.register_comm_hook: the data object installs the DDP hook
     ("hasten.utils.dataclasses", "hasten.strategies.ddp"),
 }

@@ -61,9 +61,9 @@ def test_cpu_multi_process_uses_torchrun_with_one_config_variable(script):
     assert argv[-3:] == [script, "--x", "1"] and argv[argv.index("--nproc_per_node") + 1] == "2"
 
 
-def test_single_process_runs_the_script_directly(script):
+def test_single_process_runs_the_script_through_the_worker_bootstrap(script):
     plan = _plan(LaunchConfig(), script)
-    assert plan.launcher == "process" and plan.command == [sys.executable, script]
+    assert plan.launcher == "process" and plan.command == [sys.executable, "-m", "hasten.launchers.worker", script]
 
 
 def test_deepspeed_accumulation_reaches_the_connector(script):

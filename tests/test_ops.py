@@ -85,6 +85,8 @@ def test_pad_across_processes_uneven(n):
     gathered = gather(pad_across_processes(torch.ones(rank + 1), dim=-1))
     assert gathered.shape == (n * n,)
     assert gathered.sum().item() == sum(range(1, n + 1))
+    labels = torch.arange(rank + 1)  # Trainer.evaluate pads 1-d labels along dim=1: unchanged, no collective
+    assert pad_across_processes({"labels": labels, "logits": t}, dim=1)["labels"] is labels
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -120,8 +122,9 @@ def test_gather_and_pad_bad_input():
     PartialState()
     with pytest.raises(TypeError, match="str"):
         gather({"a": "text"})
-    with pytest.raises(ValueError, match=r"dim=2\) is out of range for a tensor of shape \(3, 4\)"):
-        pad_across_processes(torch.zeros(3, 4), dim=2)
+    labels = torch.zeros(16)
+    assert pad_across_processes(labels, dim=1) is labels  # out of range: unchanged, as in Accelerate
+    assert pad_across_processes({"x": labels}, dim=-2)["x"] is labels
     with pytest.raises(ValueError, match="reduction='avg'"):
         reduce(torch.ones(1), "avg")
 

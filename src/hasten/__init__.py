@@ -47,9 +47,15 @@ _EXPORTS = {
     "ParallelismConfig": "hasten.parallelism_config",
     "is_rich_available": "hasten.utils.imports",
     "prepare_pippy": "hasten.inference",
+    "install_as_accelerate": "hasten._accelerate_alias",
+    "uninstall_as_accelerate": "hasten._accelerate_alias",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names resolve on first use
+    from hasten._accelerate_alias import (
+        install_as_accelerate as install_as_accelerate,
+        uninstall_as_accelerate as uninstall_as_accelerate,
+    )
     from hasten.accelerator import Accelerator as Accelerator
     from hasten.big_modeling import (
         cpu_offload as cpu_offload,

@@ -227,6 +227,20 @@ class AcceleratedScheduler:
         return getattr(self.scheduler, name)
 
 
+class DeepSpeedSchedulerWrapper(AcceleratedScheduler):
+    """Accelerate's wrapper for a scheduler that the DeepSpeed engine steps itself: ``step()`` does nothing.
+
+    Transformers' ``Trainer`` checks ``isinstance(scheduler, DeepSpeedSchedulerWrapper)`` to decide whether
+    DeepSpeed saved the scheduler with its engine.
+
+    Example:
+        >>> wrapped = DeepSpeedSchedulerWrapper(scheduler, optimizer)  # doctest: +SKIP
+    """
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the engine steps the schedule in ``accelerator.backward``."""
+
+
 def _is_plateau(scheduler: Any) -> bool:
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -126,8 +126,9 @@ def _sort_budget(max_memory: dict[Any, int]) -> dict[Any, int]:
 def get_max_memory(max_memory: Mapping[Any, int | str] | None = None) -> dict[Any, int]:
     """Memory budget per device, GPUs (ints) first, then ``"mps"``, ``"cpu"`` and ``"disk"``.
 
-    With ``max_memory`` given, its string sizes are converted and **no accelerator is queried**; otherwise
-    the free memory of every visible GPU and the available RAM (psutil) are measured.
+    With ``max_memory`` given, its string sizes are converted (in the caller's dict too, as in Accelerate)
+    and **no accelerator is queried**; otherwise the free memory of every visible GPU and the available RAM
+    (psutil) are measured.
 
     Example:
         >>> get_max_memory({0: "1GB", "cpu": "2GiB"})
@@ -136,13 +137,17 @@ def get_max_memory(max_memory: Mapping[Any, int | str] | None = None) -> dict[An
     if max_memory is not None:
         converted: dict[Any, int] = {}
         for key, value in max_memory.items():
-            if isinstance(key, str) and key.isdigit():
-                key = int(key)
             try:
-                converted[key] = convert_file_size_to_int(value)
+                converted[int(key) if isinstance(key, str) and key.isdigit() else key] = convert_file_size_to_int(value)
             except ValueError as exc:
                 raise ValueError(f"max_memory[{key!r}] = {value!r} is not a size: use an int (bytes) or a "
                                  "string like '10GB' or '512MiB'.") from exc
+        if isinstance(max_memory, MutableMapping):
+            # As Accelerate does, the caller's dict gets its sizes in bytes (keys untouched): Transformers
+            # compares the dict it passed with ints afterwards.
+            for key, value in max_memory.items():
+                if isinstance(value, str):
+                    max_memory[key] = convert_file_size_to_int(value)
         return _sort_budget(converted)
     budget: dict[Any, int] = {}
     if torch.cuda.is_available():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -53,8 +53,90 @@ def launch_config(env: Mapping[str, str] | None = None) -> LaunchConfig | None:
 
 
 def launch_config_to_env(config: Mapping[str, Any]) -> dict[str, str]:
-    """Encode a launch configuration for a worker's environment."""
-    return {LAUNCH_CONFIG_VAR: json.dumps(dict(config), sort_keys=True)}
+    """Encode a launch configuration for a worker's environment: ``HASTEN_LAUNCH_CONFIG`` and, derived from the
+    same configuration, the ``ACCELERATE_*`` / ``FSDP_*`` variables ``accelerate launch`` exports (which
+    Transformers' ``TrainingArguments`` reads, e.g. ``ACCELERATE_MIXED_PRECISION``)."""
+    return {LAUNCH_CONFIG_VAR: json.dumps(dict(config), sort_keys=True), **accelerate_launch_env(config)}
+
+
+def _flag(value: Any) -> str:
+    return str(bool(value)).lower() if isinstance(value, bool) or value is None else str(value).lower()
+
+
+def _listed(value: Any) -> str:
+    return ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+
+
+# FSDP's variables and the values `accelerate launch` gives them when the configuration leaves them out.
+_FSDP_FLAGS = {"FSDP_RESHARD_AFTER_FORWARD": ("fsdp_reshard_after_forward", True),
+               "FSDP_OFFLOAD_PARAMS": ("fsdp_offload_params", False),
+               "FSDP_FORWARD_PREFETCH": ("fsdp_forward_prefetch", False),
+               "FSDP_USE_ORIG_PARAMS": ("fsdp_use_orig_params", True),
+               "FSDP_CPU_RAM_EFFICIENT_LOADING": ("fsdp_cpu_ram_efficient_loading", True),
+               "FSDP_SYNC_MODULE_STATES": ("fsdp_sync_module_states", True),
+               "FSDP_ACTIVATION_CHECKPOINTING": ("fsdp_activation_checkpointing", False),
+               "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": ("fsdp_activation_checkpointing_offload", False)}
+_FSDP_OPTIONAL = {"FSDP_AUTO_WRAP_POLICY": "fsdp_auto_wrap_policy",
+                  "FSDP_TRANSFORMER_CLS_TO_WRAP": "fsdp_transformer_layer_cls_to_wrap",
+                  "FSDP_BACKWARD_PREFETCH": "fsdp_backward_prefetch", "FSDP_STATE_DICT_TYPE": "fsdp_state_dict_type",
+                  "FSDP_IGNORED_MODULES": "fsdp_ignored_modules"}
+_DEEPSPEED: dict[str, tuple[str, Callable[[Any], str]]] = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": ("zero_stage", str),
+              "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("gradient_accumulation_steps", str),
+              "ACCELERATE_GRADIENT_CLIPPING": ("gradient_clipping", _flag),
+              "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": ("offload_optimizer_device", _flag),
+              "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": ("offload_param_device", _flag),
+              "ACCELERATE_DEEPSPEED_ZERO3_INIT": ("zero3_init_flag", _flag),
+              "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": ("zero3_save_16bit_model", _flag),
+              "ACCELERATE_DEEPSPEED_CONFIG_FILE": ("deepspeed_config_file", str),
+              "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": ("deepspeed_moe_layer_cls_names", str)}
+
+
+# Accelerate starts these with its multi-GPU or DeepSpeed launcher, which does not export ACCELERATE_USE_CPU.
+_OWN_LAUNCHERS = ("MULTI_GPU", "FSDP", "DEEPSPEED")
+
+
+def accelerate_launch_env(config: Mapping[str, Any]) -> dict[str, str]:
+    """The ``ACCELERATE_*`` / ``FSDP_*`` variables ``accelerate launch`` exports for ``config``, with its values.
+
+    Libraries written for Accelerate read them in the worker (Transformers' ``TrainingArguments`` takes its
+    ``mixed_precision`` from ``ACCELERATE_MIXED_PRECISION``); hasten itself reads only ``HASTEN_LAUNCH_CONFIG``.
+
+    Example:
+        >>> accelerate_launch_env({"mixed_precision": "bf16", "use_cpu": True})["ACCELERATE_MIXED_PRECISION"]
+        'bf16'
+    """
+    dynamo = config.get("dynamo_config") or {}
+    distributed = str(config.get("distributed_type") or "")
+    env = {} if distributed in _OWN_LAUNCHERS else {"ACCELERATE_USE_CPU": str(bool(config.get("use_cpu")))}
+    env.update({"ACCELERATE_MIXED_PRECISION": str(config.get("mixed_precision") or "no").lower(),
+           "ACCELERATE_DYNAMO_BACKEND": str(dynamo.get("dynamo_backend") or "no").upper(),
+           "ACCELERATE_DYNAMO_MODE": str(dynamo.get("dynamo_mode") or "default"),
+           "ACCELERATE_DYNAMO_USE_FULLGRAPH": str(bool(dynamo.get("dynamo_use_fullgraph"))),
+           "ACCELERATE_DYNAMO_USE_DYNAMIC": str(bool(dynamo.get("dynamo_use_dynamic"))),
+           "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": str(bool(dynamo.get("dynamo_use_regional_compilation")))})
+    if config.get("debug"):
+        env["ACCELERATE_DEBUG_MODE"] = "true"
+    if config.get("enable_cpu_affinity"):
+        env["ACCELERATE_CPU_AFFINITY"] = "1"
+    fsdp = config.get("fsdp_config") or {}
+    if distributed == "FSDP":
+        env["ACCELERATE_USE_FSDP"] = "true"
+        env["FSDP_VERSION"] = str(fsdp.get("fsdp_version") or 2)
+        env["FSDP_SHARDING_STRATEGY"] = str(fsdp.get("fsdp_sharding_strategy") or "FULL_SHARD")
+        env["FSDP_MIN_NUM_PARAMS"] = str(int(fsdp.get("fsdp_min_num_params") or 100_000_000))
+        for variable, (key, default) in _FSDP_FLAGS.items():
+            env[variable] = _flag(fsdp.get(key, default))
+        for variable, key in _FSDP_OPTIONAL.items():
+            if fsdp.get(key) is not None:
+                env[variable] = _listed(fsdp[key])
+    deepspeed = config.get("deepspeed_config") or {}
+    if distributed == "DEEPSPEED":
+        env["ACCELERATE_USE_DEEPSPEED"] = "true"
+        env["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(deepspeed).lower()
+        for variable, (key, encode) in _DEEPSPEED.items():
+            if deepspeed.get(key) is not None:
+                env[variable] = encode(deepspeed[key])
+    return env
 
 
 def debug_mode(env: Mapping[str, str] | None = None) -> bool:

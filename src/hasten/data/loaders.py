@@ -422,6 +422,7 @@ class DataLoaderShard(_IndexSkipMixin, ResumableMixin, DataLoaderStateMixin, Dat
         self._drop_last = _drop_last
         self._non_blocking = _non_blocking
         self._generator_agreed = False
+        self._global_base_seed = False  # prepare_data_loader sets it (see the module docstring of prepare.py)
         self._init_resume(iteration, skip_batches)
 
     def _sync_rngs(self) -> None:
@@ -440,6 +441,11 @@ class DataLoaderShard(_IndexSkipMixin, ResumableMixin, DataLoaderStateMixin, Dat
         try:
             self.begin()
             self.set_epoch(self.iteration)
+            if self._global_base_seed and not skip and not self._pass_offset:
+                # Accelerate's torch DataLoader draws this pass's base seed from the global RNG here: the same
+                # draw keeps the user's stream (dropout) equal. A resumed pass does not: the uninterrupted run
+                # drew before the checkpoint's RNG snapshot.
+                torch.empty((), dtype=torch.int64).random_()
             iterator, data_skip = self._open_iterator(skip, self._pass_offset)
             # Hot path, one generator level: read one batch ahead so `end_of_dataloader` is set before the
             # last batch is handed out; move each batch as soon as it is read (overlaps async copies).

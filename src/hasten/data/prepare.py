@@ -7,11 +7,13 @@ How shuffling is kept identical on every process (the choice, and why):
   ``prepare`` decides the order, as in Accelerate), and process 0's value is broadcast once so that all
   processes agree even without ``set_seed``. A generator the user supplied keeps its seed; its state is
   broadcast from process 0 once.
-* After that, iterating never communicates and never draws from the global RNG: every process draws the
-  same permutation from identical generators (Accelerate broadcasts the generator state before every
-  epoch, and torch's ``DataLoader`` draws a base seed from the global RNG at every epoch; the prepared
-  loader draws that base seed from its own generator instead). The user's random stream is therefore
-  unaffected by iteration, which exact resume needs.
+* After that, iterating never communicates: every process draws the same permutation from identical
+  generators (Accelerate broadcasts the generator state before every epoch). torch's ``DataLoader`` draws a
+  base seed from the global RNG at the start of every pass; the prepared loader draws its base seed from its
+  own generator, and, when the user's loader had no generator, also consumes one number of the global RNG at
+  the start of each pass, as Accelerate's prepared loader does, so that the user's random stream (dropout
+  masks) is the same as under Accelerate. A pass that continues a restored position draws nothing (the
+  uninterrupted run drew before the checkpoint's RNG snapshot), which exact resume needs.
 * Unshuffled loaders draw nothing from the global RNG unless they use worker processes (whose seeds come
   from the loader's generator, seeded then from one global draw, so ``set_seed`` still governs them).
 """
@@ -176,6 +178,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
     batch_sampler = dataloader.sampler if sampler_is_batch_sampler else dataloader.batch_sampler
     batch_sampler, shuffle_gen = _shuffle_setup(batch_sampler, use_seedable_sampler, data_seed, num_processes,
                                                 agree=not dispatch_batches)
+    own_generator = kwargs["generator"] is not None
     kwargs["generator"] = _loader_generator(kwargs, shuffle_gen)
     if num_processes != 1 and not dispatch_batches:
         batch_sampler = BatchSamplerShard(batch_sampler, num_processes=num_processes, process_index=process_index,
@@ -190,6 +193,7 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
                                synchronized_generator=shuffle_gen, _drop_last=dataloader.drop_last,
                                _non_blocking=non_blocking, **placement, **kwargs)
     prepared._generator_agreed = True
+    prepared._global_base_seed = not own_generator
     return prepared
 
 
@@ -218,6 +222,7 @@ def _prepare_iterable(dataloader: DataLoader, kwargs: dict[str, Any], device: to
     generator = generator if isinstance(generator, torch.Generator) else None
     if generator is not None and not dispatch:
         _agree_generator(generator, num_processes)
+    own_generator = kwargs["generator"] is not None
     kwargs["generator"] = _loader_generator(kwargs, generator)
     kwargs["drop_last"] = dataloader.drop_last
     size = dataloader.batch_size
@@ -240,6 +245,7 @@ def _prepare_iterable(dataloader: DataLoader, kwargs: dict[str, Any], device: to
     prepared._generator_agreed = True
     if num_processes != 1 and not isinstance(dataset, IterableDatasetShard):
         prepared._native_shards = num_processes  # file shards: a position does not map onto another count
+    prepared._global_base_seed = not own_generator
     return prepared
 
 

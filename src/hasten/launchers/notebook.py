@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hasten._accelerate_alias import install_unless_real_accelerate
 from hasten.config.env import launch_config_to_env
 from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError, LaunchError
@@ -68,6 +69,7 @@ def _rank_main(function: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap the user's function: run it, then end the process group (forked ranks skip atexit)."""
     @functools.wraps(function)  # the agent logs the entry point's name and qualname
     def run(*args: Any) -> Any:
+        install_unless_real_accelerate()  # libraries the function imports (transformers...) find hasten
         result = function(*args)
         _end_process_group()
         return result
@@ -157,6 +159,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
         source="notebook_launcher").to_launch_dict()
     if num_processes == 1 and num_nodes == 1:
         print(f"Launching training on {'one GPU' if gpus else 'CPU'}.")
+        install_unless_real_accelerate()
         with _added_environment(launch_config_to_env(config)):
             function(*args)
         return
@@ -213,6 +216,7 @@ def _debug_rank(rank: int, function: Callable[..., Any], args: tuple[Any, ...], 
     from hasten.state import reset_state
 
     reset_state()  # the rank must not reuse the parent's view of the run
+    install_unless_real_accelerate()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       **launch_config_to_env({"use_cpu": True, "mixed_precision": "no",
                                               "distributed_type": "MULTI_CPU"}))

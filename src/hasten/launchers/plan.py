@@ -333,8 +333,10 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     else:
         launcher = "process"
     check_affinity_supported(config, options.no_python)
-    if launcher in ("mpirun", "slurm-task") or config.enable_cpu_affinity:
-        command = worker_command(options, bootstrap=True)  # the bootstrap also pins cores (affinity.py)
+    if launcher in ("mpirun", "slurm-task", "process") or config.enable_cpu_affinity:
+        # The bootstrap also pins cores (affinity.py) and makes `import accelerate` give hasten when the
+        # real Accelerate is not installed (a Trainer script runs unchanged); torchrun's workers get it too.
+        command = worker_command(options, bootstrap=True)
     notes: list[str] = []
     if config.same_network and config.num_machines > 1:
         notes.append("same_network only changes TPU pod launches in Accelerate; hasten's rendezvous is the same "

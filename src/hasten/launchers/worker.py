@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         print("usage: python -m hasten.launchers.worker [--module] TARGET [ARGS...]", file=sys.stderr)
         os._exit(2)
+    from hasten._accelerate_alias import install_unless_real_accelerate
     from hasten.config.env import launch_config
     from hasten.launchers.affinity import pin_local_rank
     from hasten.launchers.network import bind_worker_store
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         pin_local_rank(config, os.environ)  # --enable_cpu_affinity: before the script starts any thread
 
     store = bind_worker_store(os.environ)  # noqa: F841 - kept alive while the script runs
+    install_unless_real_accelerate()  # a Trainer/TRL/PEFT script runs unchanged without Accelerate installed
     code = run_target(argv[0], argv[1:], as_module)
     atexit._run_exitfuncs()  # trackers, hasten's teardown, logging.shutdown: everything exit would run
     sys.stdout.flush()

@@ -254,18 +254,10 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         pad_index: the fill value.
         pad_first: pad at the start instead of the end.
 
-    Raises:
-        ValueError: ``dim`` is out of range for a tensor.
+    A tensor whose ``dim`` is out of range (a 1-d label tensor asked to pad ``dim=1``, as Transformers'
+    ``Trainer.evaluate`` does) is returned unchanged, as Accelerate does.
     """
     _check_tensors(tensor, "pad_across_processes")
-
-    def _check_dim(t: torch.Tensor) -> torch.Tensor:
-        if not -t.ndim <= dim < max(t.ndim, 1) or t.ndim == 0:
-            raise ValueError(f"pad_across_processes(dim={dim}) is out of range for a tensor of shape "
-                             f"{tuple(t.shape)}: use a dim in [{-t.ndim}, {t.ndim - 1}]")
-        return t
-
-    recursively_apply(_check_dim, tensor)
     if not is_distributed():
         return tensor
     with tracked("pad_across_processes", tensor):
@@ -276,6 +268,8 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
 
 def _pad_one(t: torch.Tensor, dim: int, pad_index: int, pad_first: bool) -> torch.Tensor:
     """Pad one tensor along ``dim`` to the largest size of any rank (one all-gather of the size)."""
+    if not -t.ndim <= dim < t.ndim:  # Accelerate's rule: nothing to pad along a dimension it lacks
+        return t
     d = dim % t.ndim
     size = torch.tensor([t.shape[d]], device=t.device, dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(_world())]

@@ -46,8 +46,8 @@ _add("hasten.utils.unsupported", *"""
     AbstractTrainStep BertTrainStep BnbQuantizationConfig DeepSpeedSequenceParallelConfig GPTTrainStep
     MegatronLMDummyDataLoader MegatronLMDummyScheduler MegatronLMPlugin T5TrainStep
     TorchTensorParallelPlugin add_model_config_to_megatron_parser apply_fp8_autowrap
-    avg_losses_across_data_parallel_group convert_model install_xla load_and_quantize_model load_fsdp_model
-    load_fsdp_optimizer prepare_sagemager_args_inputs prepare_tpu save_fsdp_model save_fsdp_optimizer
+    avg_losses_across_data_parallel_group convert_model install_xla load_and_quantize_model
+    prepare_sagemager_args_inputs prepare_tpu
     contextual_fp8_autocast save_accelerator_state load_accelerator_state prepare_deepspeed_cmd_env
     prepare_multi_gpu_env prepare_simple_launcher_cmd_env""".split())
 _add("hasten.utils.modeling", *"""
@@ -73,6 +73,8 @@ _add("hasten.big_modeling", "align_module_device", "check_tied_parameters_on_sam
 _add("hasten.utils.sizes", "convert_file_size_to_int")
 _add("hasten.config.plugins.fsdp", "FullyShardedDataParallelPlugin")
 _add("hasten.checkpointing.dcp", "merge_fsdp_weights")
+_add("hasten.checkpointing.fsdp_files", "load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_model", "save_fsdp_optimizer")
+_add("hasten.optim", "DeepSpeedSchedulerWrapper")
 _add("hasten.config.plugins.deepspeed", "DeepSpeedPlugin")
 _add("hasten.utils.deepspeed", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig")
 _add("hasten.utils.environment", "get_int_from_env", "parse_flag_from_env", "patch_environment", "str_to_bool",
@@ -180,6 +182,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         save_custom_state as save_custom_state,
     )
     from hasten.checkpointing.dcp import merge_fsdp_weights as merge_fsdp_weights
+    from hasten.checkpointing.fsdp_files import (
+        load_fsdp_model as load_fsdp_model,
+        load_fsdp_optimizer as load_fsdp_optimizer,
+        save_fsdp_model as save_fsdp_model,
+        save_fsdp_optimizer as save_fsdp_optimizer,
+    )
     from hasten.config.io import write_basic_config as write_basic_config
     from hasten.config.plugins.deepspeed import DeepSpeedPlugin as DeepSpeedPlugin
     from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
@@ -224,6 +232,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         send_to_device as send_to_device,
         slice_tensors as slice_tensors,
     )
+    from hasten.optim import DeepSpeedSchedulerWrapper as DeepSpeedSchedulerWrapper
     from hasten.parallelism_config import (
         ParallelismConfig as ParallelismConfig,
         TorchContextParallelConfig as TorchContextParallelConfig,
@@ -434,16 +443,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         install_xla as install_xla,
         load_accelerator_state as load_accelerator_state,
         load_and_quantize_model as load_and_quantize_model,
-        load_fsdp_model as load_fsdp_model,
-        load_fsdp_optimizer as load_fsdp_optimizer,
         prepare_deepspeed_cmd_env as prepare_deepspeed_cmd_env,
         prepare_multi_gpu_env as prepare_multi_gpu_env,
         prepare_sagemager_args_inputs as prepare_sagemager_args_inputs,
         prepare_simple_launcher_cmd_env as prepare_simple_launcher_cmd_env,
         prepare_tpu as prepare_tpu,
         save_accelerator_state as save_accelerator_state,
-        save_fsdp_model as save_fsdp_model,
-        save_fsdp_optimizer as save_fsdp_optimizer,
     )
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

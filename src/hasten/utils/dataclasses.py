@@ -344,3 +344,20 @@ class ProfileKwargs(KwargsHandler):
                                       record_shapes=self.record_shapes, profile_memory=self.profile_memory,
                                       with_stack=self.with_stack, with_flops=self.with_flops,
                                       with_modules=self.with_modules)
+
+
+# --- issue 23 (hfstack): Accelerate's helper that PEFT imports from this path --------------------------------
+def get_module_class_from_name(module: Any, name: str) -> Any:
+    """The class named ``name`` among ``module`` and its submodules (depth first), or ``None``.
+
+    Example:
+        >>> get_module_class_from_name(torch.nn.Sequential(torch.nn.Linear(1, 1)), "Linear")
+        <class 'torch.nn.modules.linear.Linear'>
+    """
+    if type(module).__name__ == name:
+        return type(module)
+    for child in module.children():
+        found = get_module_class_from_name(child, name)
+        if found is not None:
+            return found
+    return None

@@ -290,3 +290,18 @@ def get_mixed_precision_context_manager(native_amp: bool = False,
     if not native_amp or state.mixed_precision not in dtypes:
         return contextlib.nullcontext()
     return torch.autocast(device_type=state.device.type, dtype=dtypes[state.mixed_precision], **kwargs)
+
+
+# --- issue 23 (hfstack): names Transformers and diffusers import from accelerate.utils.modeling ---------------
+# They live with the rest of the device-map arithmetic (hasten.big_modeling, hasten.utils.sizes); resolved on
+# first use so this bottom-layer module imports nothing above it.
+_FROM_ELSEWHERE = {"clean_device_map": "hasten.big_modeling.device_map", "get_max_layer_size": "hasten.big_modeling.sizes",
+                   "convert_file_size_to_int": "hasten.utils.sizes"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_ELSEWHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_FROM_ELSEWHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,8 +25,6 @@ BNB = ("bitsandbytes quantization", "quantize with transformers' `BitsAndBytesCo
        "(`from_pretrained(..., quantization_config=...)`) and prepare the quantized model as usual")
 TRANSFORMER_ENGINE = ("NVIDIA Transformer Engine / MS-AMP fp8", "hasten's fp8 path is torchao "
                       "(`AORecipeKwargs`), on GPUs with compute capability 8.9 or newer")
-FSDP1 = ("FSDP1 (`FullyShardedDataParallel` wrapper) state-dict helpers", "hasten shards with FSDP2: save and "
-         "load with `accelerator.save_state`/`load_state` or `accelerator.get_state_dict(model)`")
 ND_PARALLEL = ("DeepSpeed-Ulysses sequence parallelism, the older TP plugin", "split long sequences with "
                "`ParallelismConfig(cp_size=...)` (CUDA), and tensor-parallelize with `ParallelismConfig(tp_size=..., "
                "tp_handler=TorchTensorParallelConfig(...))` (docs: N-D parallelism)")

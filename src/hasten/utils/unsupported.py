@@ -1,5 +1,5 @@
 """Accelerate's names for products hasten does not run (Megatron-LM, TPUs, SageMaker, bitsandbytes,
-Transformer Engine / MS-AMP, FSDP1 state-dict helpers, tensor/context/sequence parallel plugins).
+Transformer Engine / MS-AMP, tensor/context/sequence parallel plugins).
 
 Importing them works; constructing or calling one raises a ``ConfigurationError`` naming what to use
 instead (see :mod:`hasten.utils.refusals`). The migrating guide lists them in one table.
@@ -11,7 +11,6 @@ from hasten.utils.refusals import (
     ACCELERATE_LAUNCHER,
     BNB,
     CHECKPOINT_INTERNALS,
-    FSDP1,
     MEGATRON,
     ND_PARALLEL,
     SAGEMAKER,
@@ -43,10 +42,6 @@ BnbQuantizationConfig = refused_class("BnbQuantizationConfig", "load_in_8bit llm
 load_and_quantize_model = refused_function("load_and_quantize_model", "model bnb_quantization_config weights_location device_map no_split_module_classes max_memory offload_folder offload_state_dict", BNB)
 convert_model = refused_function("convert_model", "model to_transformer_engine _convert_linear _convert_ln", TRANSFORMER_ENGINE)
 apply_fp8_autowrap = refused_function("apply_fp8_autowrap", "model fp8_recipe_handler", TRANSFORMER_ENGINE)
-save_fsdp_model = refused_function("save_fsdp_model", "fsdp_plugin accelerator model output_dir model_index adapter_only use_dcp", FSDP1)
-load_fsdp_model = refused_function("load_fsdp_model", "fsdp_plugin accelerator model input_dir model_index adapter_only use_dcp", FSDP1)
-save_fsdp_optimizer = refused_function("save_fsdp_optimizer", "fsdp_plugin accelerator optimizer model output_dir optimizer_index use_dcp", FSDP1)
-load_fsdp_optimizer = refused_function("load_fsdp_optimizer", "fsdp_plugin accelerator optimizer model input_dir optimizer_index adapter_only use_dcp", FSDP1)
 TorchTensorParallelPlugin = refused_class("TorchTensorParallelPlugin", "tp_size torch_device_mesh", ND_PARALLEL)
 DeepSpeedSequenceParallelConfig = refused_class("DeepSpeedSequenceParallelConfig", "sp_seq_length sp_seq_length_is_variable sp_attn_implementation", ND_PARALLEL)
 contextual_fp8_autocast = refused_function("contextual_fp8_autocast", "model_forward fp8_recipe use_during_eval",

@@ -8,6 +8,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# Accelerate's ``accelerate.commands.config`` names (read by ``transformers env`` / ``trl env``), resolved on
+# first use so that the CLI's start-up does not read the configuration file.
+_CONFIG_ARGS = ("default_config_file", "load_config_from_file")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CONFIG_ARGS:
+        from hasten.commands.config import config_args
+
+        return getattr(config_args, name)
+    if name == "config_args":
+        import importlib
+
+        return importlib.import_module("hasten.commands.config.config_args")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``hasten config`` and its ``default`` / ``update`` subcommands."""
