@@ -2,11 +2,8 @@
 
 Like Accelerate, each class is a "Borg": all instances share one dictionary, so a second
 ``PartialState()`` sees the state the first one set up. Tests (and notebooks that want a fresh start)
-call :func:`reset_state`.
-
-hasten starts the process group itself when the environment says there are peers (torchrun, MPI,
-SLURM, ...), with a timeout, and tears it down at interpreter exit so gloo does not abort the process
-after the user's script has finished.
+call :func:`reset_state`. With peers (torchrun, MPI, SLURM, ...) ``PartialState`` starts the process
+group through :mod:`hasten.environments.process_group`, which owns its lifetime.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,20 +35,34 @@ from hasten.ops.debug import disable_debug_checks, enable_debug_checks
 from hasten.ops.watchdog import DEFAULT_BOUND, process_group_timeout, start_watchdog, stop_watchdog
 from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
 from hasten.utils.environment import is_env_set
-from hasten.utils.other import ThreadLocalSharedDict as ThreadLocalSharedDict
 from hasten.utils.split import split_inputs
-
-if TYPE_CHECKING:
-    from hasten.strategies import Strategy
 
 #: How long a rank may wait in one collective before the watchdog reports every rank and stops the run.
 DEFAULT_TIMEOUT = DEFAULT_BOUND
 #: Debug mode names a rank missing from a collective within this time at most.
 DEBUG_MISSING_RANK_BOUND = timedelta(seconds=60)
 
-_STATE_ATTRIBUTES = (
-    "device", "distributed_type", "num_processes", "process_index", "local_process_index", "backend", "debug",
-)
+_STATE_ATTRIBUTES = ("device", "distributed_type", "num_processes", "process_index", "local_process_index",
+                     "backend", "debug")
+
+
+class ThreadLocalSharedDict(threading.local):
+    """A dictionary shared by the objects of one thread (Accelerate uses it for per-thread XLA state)."""
+
+    def __init__(self, thread_local: bool = False) -> None:
+        self._storage: dict[str, Any] = {}
+
+    def __get__(self, obj: Any, objtype: Any = None) -> dict[str, Any]:
+        return self._storage
+
+    def __set__(self, obj: Any, value: dict[str, Any]) -> None:
+        self._storage = value
+
+
+class _RunStrategy(Protocol):
+    """What the state asks of the Accelerator's strategy (the strategy layer is below; no import needed)."""
+
+    def trigger_sync_in_backward(self, model: Any) -> Any: ...
 
 
 def do_nothing(*args: Any, **kwargs: Any) -> None:
@@ -354,7 +365,7 @@ class AcceleratorState(_ProcessQueries):
 
     _shared_state: dict[str, Any] = {}
     _mixed_precision: str
-    _strategy: Strategy  # the Accelerator's, for the static ``trigger_sync_in_backward``
+    _strategy: _RunStrategy  # the Accelerator's, for the static ``trigger_sync_in_backward``
 
     def __init__(self, mixed_precision: str | None = None, cpu: bool = False, dynamo_plugin: Any = None,
                  deepspeed_plugin: Any = None, fsdp_plugin: Any = None, torch_tp_plugin: Any = None,
@@ -562,15 +573,6 @@ def _limit_cpu_threads(device_kind: Device, info: ProcessInfo) -> None:
 
 _EXIT = {"installed": False}
 _EXIT_LOCK = threading.Lock()
-def add_before_destroy_hook(hook: Callable[[], None]) -> None:
-    """Run ``hook`` right before hasten destroys the process group (``end_training`` or interpreter exit).
-
-    Strategies use it (through ``Strategy.setup``) to release objects (DDP reducers) that must not
-    outlive the group.
-    """
-    process_group.add_before_end_hook(hook)
-
-
 def _install_exit_teardown() -> None:
     with _EXIT_LOCK:
         if _EXIT["installed"]:
