@@ -8,9 +8,7 @@ group through :mod:`hasten.environments.process_group`, which owns its lifetime.
 
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,8 +29,7 @@ from hasten.environments import (
     process_group,
 )
 from hasten.ops.collectives import barrier
-from hasten.ops.debug import disable_debug_checks, enable_debug_checks
-from hasten.ops.watchdog import DEFAULT_BOUND, process_group_timeout, start_watchdog, stop_watchdog
+from hasten.ops.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
 from hasten.utils.environment import is_env_set
 from hasten.utils.split import split_inputs
@@ -174,11 +171,7 @@ class _ProcessQueries(_Borg):
         exit for groups it started."""
         if group is None and PartialState._shared_state.get("fork_launched", False):
             return
-        if group is None:
-            stop_watchdog()
         process_group.end_group(group=group)
-        if group is None:
-            disable_debug_checks()
 
 
 class PartialState(_ProcessQueries):
@@ -247,9 +240,8 @@ class PartialState(_ProcessQueries):
         self._owns_group = owns_group
         if world > 1:
             # In debug mode the monitored barrier names a missing rank first; the watchdog comes after it.
-            start_watchdog(timeout + (min(timeout, DEBUG_MISSING_RANK_BOUND) if self.debug else timedelta()))
-        if owns_group:
-            _install_exit_teardown()
+            bound = timeout + (min(timeout, DEBUG_MISSING_RANK_BOUND) if self.debug else timedelta())
+            process_group.watch_run(bound, owned=owns_group)
 
     # ----------------------------------------------------------------------------------------- properties
     @property
@@ -272,12 +264,7 @@ class PartialState(_ProcessQueries):
         if value == self.__dict__.get("_debug", False):
             return
         self.__dict__["_debug"] = value
-        if not value:
-            disable_debug_checks()
-        elif self.num_processes > 1:
-            group = None if self.backend == "gloo" else dist.new_group(
-                backend="gloo", timeout=process_group_timeout(self.timeout))
-            enable_debug_checks(group, min(self.timeout, DEBUG_MISSING_RANK_BOUND))
+        process_group.set_debug_checks(value, timeout=self.timeout, bound=min(self.timeout, DEBUG_MISSING_RANK_BOUND))
 
     @property
     def default_device(self) -> torch.device:
@@ -549,7 +536,6 @@ def reset_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     process_group.forget_hooks()
-    stop_watchdog()
 
 
 def wait_for_everyone() -> None:
@@ -569,32 +555,3 @@ def _limit_cpu_threads(device_kind: Device, info: ProcessInfo) -> None:
     except ImportError:  # pragma: no cover - psutil is a dependency
         cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(info.local_world_size, 1)))
-
-
-_EXIT = {"installed": False}
-_EXIT_LOCK = threading.Lock()
-def _install_exit_teardown() -> None:
-    with _EXIT_LOCK:
-        if _EXIT["installed"]:
-            return
-        _EXIT["installed"] = True
-    previous_hook = sys.excepthook
-
-    def _report_failure(exc_type: Any, exc: Any, tb: Any) -> None:
-        # Under torchrun/hasten launch, the error file lets the agent name the rank that failed first.
-        try:
-            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-            get_error_handler().record_exception(exc)
-        except Exception:  # noqa: BLE001 - reporting must never hide the user's own traceback
-            pass
-        previous_hook(exc_type, exc, tb)
-
-    sys.excepthook = _report_failure
-    atexit.register(_teardown_at_exit)
-
-
-def _teardown_at_exit() -> None:
-    """Destroy the process group before the interpreter exits (the policy: ``process_group.end_group``)."""
-    stop_watchdog()
-    process_group.end_group(quiet=True)
