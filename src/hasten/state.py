@@ -57,7 +57,10 @@ class ThreadLocalSharedDict(threading.local):
 
 
 class _RunStrategy(Protocol):
-    """What the state asks of the Accelerator's strategy (the strategy layer is below; no import needed)."""
+    """What the state asks of the Accelerator's strategy (the strategy layer is below; no import needed).
+    Strategies that own a plugin also answer ``fsdp_plugin``/``deepspeed_plugin``."""
+
+    distributed_type: Any
 
     def trigger_sync_in_backward(self, model: Any) -> Any: ...
 
@@ -352,7 +355,7 @@ class AcceleratorState(_ProcessQueries):
 
     _shared_state: dict[str, Any] = {}
     _mixed_precision: str
-    _strategy: _RunStrategy  # the Accelerator's, for the static ``trigger_sync_in_backward``
+    _strategy: _RunStrategy  # the Accelerator's: the one source of distributed_type, is_fsdp2 and the plugins
 
     def __init__(self, mixed_precision: str | None = None, cpu: bool = False, dynamo_plugin: Any = None,
                  deepspeed_plugin: Any = None, fsdp_plugin: Any = None, torch_tp_plugin: Any = None,
@@ -373,12 +376,11 @@ class AcceleratorState(_ProcessQueries):
         self._mixed_precision = str(mixed_precision or "no")
         self.dynamo_plugin = dynamo_plugin
         self.deepspeed_plugins = deepspeed_plugin
-        self.fsdp_plugin = fsdp_plugin
+        self._requested_fsdp_plugin = fsdp_plugin  # answered until the Accelerator attaches its strategy
         self.torch_tp_plugin = torch_tp_plugin
         self.megatron_lm_plugin = megatron_lm_plugin
         self.parallelism_config = parallelism_config
         self.device_mesh = None
-        self.distributed_type = self._partial.distributed_type
 
     @property
     def initialized(self) -> bool:
@@ -420,16 +422,35 @@ class AcceleratorState(_ProcessQueries):
         chosen = self.get_deepspeed_plugin(name) if name is not None else next(iter(plugins.values()))
         self.deepspeed_plugins = {k: v for k, v in [(name, chosen)] + [(k, v) for k, v in plugins.items() if k != name]}
 
+    def _attach_strategy(self, strategy: _RunStrategy) -> None:
+        """Make ``strategy`` (the Accelerator's) the source of ``distributed_type``, ``is_fsdp2`` and the plugins."""
+        self.__dict__["_strategy"] = strategy
+
+    @property
+    def distributed_type(self) -> Any:  # type: ignore[override]
+        """The strategy's ``DistributedType`` (FSDP, DEEPSPEED, ...); the process's before a strategy exists."""
+        strategy = self.__dict__.get("_strategy")
+        return strategy.distributed_type if strategy is not None else self._partial.distributed_type
+
     @property
     def is_fsdp2(self) -> bool:
-        return self.fsdp_plugin is not None
+        """True when the strategy shards with FSDP2 (hasten's only FSDP), as ``Accelerator.is_fsdp2``."""
+        return bool(self.distributed_type == DistributedType.FSDP)
+
+    @property
+    def fsdp_plugin(self) -> Any:
+        """The FSDP settings the strategy runs with (its default plugin when none was passed), else None."""
+        strategy = self.__dict__.get("_strategy")
+        return getattr(strategy, "fsdp_plugin", None) if strategy is not None else self._requested_fsdp_plugin
 
     @property
     def deepspeed_plugin(self) -> Any:
+        """The active DeepSpeed plugin: the selected one of several, else the strategy's."""
         plugins = self.deepspeed_plugins
         if isinstance(plugins, dict):
             return next(iter(plugins.values()), None)
-        return plugins
+        strategy = self.__dict__.get("_strategy")
+        return getattr(strategy, "deepspeed_plugin", None) if strategy is not None else plugins
 
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:

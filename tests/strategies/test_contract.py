@@ -226,6 +226,25 @@ def test_dynamo_backend_compiles_the_prepared_model(kind):
         assert max((compiled[k] - reference[k]).abs().max().item() for k in reference) < ATOL
 
 
+@pytest.mark.parametrize("kind", ROWS)
+def test_the_state_answers_what_the_accelerator_answers(kind):
+    """``AcceleratorState()`` reads the strategy, never copies: same engine, same plugins, same data rank."""
+    from hasten.state import AcceleratorState
+
+    accelerator = _accelerator(kind)
+    state = AcceleratorState()
+    assert state.is_fsdp2 == accelerator.is_fsdp2 == (kind in ("fsdp2", *_ND)), kind
+    assert state.distributed_type == accelerator.distributed_type
+    assert state.fsdp_plugin is getattr(accelerator._strategy, "fsdp_plugin", None)
+    assert (state.fsdp_plugin is not None) == state.is_fsdp2
+    assert state.deepspeed_plugin is accelerator.deepspeed_plugin
+    assert (state.deepspeed_plugin is not None) == (kind == "deepspeed")
+    # batches follow the mesh's dp dimension (tp ranks of one group read the same batch)
+    rank, size = _world()
+    assert accelerator._data_parallel_position() == (size, rank)
+    accelerator.end_training()
+
+
 def test_direct_step_path_only_where_the_strategy_and_precision_add_nothing():
     """The facade calls ``loss.backward``/``optimizer.step`` itself only when nothing would be skipped."""
     from hasten.precision import BF16Precision, FP16Precision, Precision

@@ -14,7 +14,7 @@ from torch import nn
 
 from hasten.accelerator._checkpoint import CheckpointMixin
 from hasten.accelerator._collectives import CollectivesMixin
-from hasten.accelerator._compat import ParallelismMixin
+from hasten.accelerator._compat import TrivialFeaturesMixin
 from hasten.accelerator._parallelism import NDParallelismMixin, build_mesh, check_parallelism_sizes
 from hasten.accelerator._prepare import PrepareMixin
 from hasten.accelerator._process import ProcessControlMixin
@@ -109,7 +109,7 @@ def _collect_handlers(kwargs_handlers: list[KwargsHandler] | None) -> dict[type,
 
 
 class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin,
-                  NDParallelismMixin, ParallelismMixin):
+                  NDParallelismMixin, TrivialFeaturesMixin):
     """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
 
     Example:
@@ -172,8 +172,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                                       _from_accelerator=True, **init_kwargs)
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)
-        self.state.distributed_type = self._strategy.distributed_type
-        self.state._strategy = self._strategy  # for the static trigger_sync_in_backward
+        self.state._attach_strategy(self._strategy)  # the state answers from it (and the static trigger_sync_in_backward)
         self._strategy.setup()
         self.state.device_mesh = build_mesh(self._settings.parallelism_config, self._strategy)
         self._direct_backward = self._strategy.direct_backward()  # fixed with the strategy: read once
