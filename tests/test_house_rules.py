@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # Lower index = lower layer. A module may import only from its own layer or below, wherever the import
 # statement is (module level or inside a function); only `if TYPE_CHECKING:` blocks are exempt.
 LAYERS = [
-    ["hasten.exceptions", "hasten._lazy", "hasten.utils"],
+    ["hasten.exceptions", "hasten._lazy", "hasten._private_api", "hasten.utils"],
     ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],
@@ -214,6 +214,21 @@ def test_environment_read_only_in_allowed_modules():
         if "os.environ" in path.read_text() or "getenv(" in path.read_text():
             offenders.append(rel)
     assert not offenders, f"os.environ outside the allowed modules: {offenders}"
+
+
+def test_private_apis_only_in_one_module():
+    """Private torch/CPython/pytest names appear only in hasten/_private_api.py, where each is guarded."""
+    from hasten._private_api import PRIVATE_NAMES
+
+    offenders = {}
+    for path in _sources():
+        if path.name == "_private_api.py":
+            continue
+        code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+        found = [name for name in PRIVATE_NAMES if name in code]
+        if found:
+            offenders[str(path.relative_to(SRC))] = found
+    assert not offenders, f"private APIs outside hasten/_private_api.py: {offenders}"
 
 
 def test_file_budget():

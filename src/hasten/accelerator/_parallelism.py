@@ -153,7 +153,7 @@ class NDParallelismMixin(AcceleratorBase):
             return
         from torch.distributed.tensor.experimental import context_parallel
 
-        from torch.distributed.tensor.experimental._attention import set_rotate_method
+        from hasten._private_api import set_rotate_method
 
         set_rotate_method(config.cp_handler.cp_comm_strategy)
         with context_parallel(self.torch_device_mesh["cp"], buffers=buffers, buffer_seq_dims=buffer_seq_dims,

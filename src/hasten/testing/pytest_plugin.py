@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from hasten._private_api import fixture_argnames
 from hasten.testing.distributed import run_on_ranks
 
 
@@ -30,7 +31,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if marker is None:
         return None
     world_size = marker.args[0] if marker.args else 2
-    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    kwargs = {name: pyfuncitem.funcargs[name] for name in fixture_argnames(pyfuncitem)}
     with tempfile.TemporaryDirectory(prefix="hasten-ranks-") as store_dir:
         run_on_ranks(_call_body, world_size=world_size, args=(pyfuncitem.obj, kwargs), tmp_dir=store_dir,
                      **marker.kwargs)
