@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from hasten import _private_api as private
-from hasten.environments import process_group
 
 
 def test_torch_is_the_version_the_private_apis_were_checked_against():
@@ -19,14 +18,10 @@ def test_torch_is_the_version_the_private_apis_were_checked_against():
         f"({', '.join(private.__all__)}), then update CHECKED_TORCH.")
 
 
-@pytest.fixture
-def one_rank_group():
-    assert process_group.ensure_group(torch.device("cpu"))
-    yield
-    process_group.end_group()
-
-
-def test_store_clone_and_mesh_flatten(one_rank_group):
+# On a forked rank with its own one-rank group: a gloo group in the pytest process would be inherited
+# by every rank the harness forks later.
+@pytest.mark.world_size(1)
+def test_store_clone_and_mesh_flatten():
     from torch.distributed.device_mesh import init_device_mesh
 
     assert private.clone_default_store() is not None
@@ -35,7 +30,8 @@ def test_store_clone_and_mesh_flatten(one_rank_group):
     assert mesh["ab"].size() == 1
 
 
-def test_fsdp2_pending_gradients_round_trip(one_rank_group):
+@pytest.mark.world_size(1)
+def test_fsdp2_pending_gradients_round_trip():
     """What the mid-window save reads and the resume writes back: FSDP2's pending unsharded gradient."""
     from torch.distributed.fsdp import fully_shard
 
