@@ -90,6 +90,9 @@ def check(row: dict[str, Any]) -> str | None:
         return None
     if actual[:len(expected)] == expected and _extras_are_optional(obj, kind, actual[len(expected):]):
         return None  # hasten additions after Accelerate's parameters, all with defaults: callers are unaffected
+    own_keywords = _hasten_only_keywords(obj, kind, actual, expected)
+    if own_keywords and [name for name in actual if name not in own_keywords] == expected:
+        return None  # hasten keyword-only options before a trailing **kwargs (save_state's async_save)
     return f"{path}.{row['name']} takes {actual}, Accelerate's takes {expected}"
 
 
@@ -99,6 +102,14 @@ def _extras_are_optional(obj: Any, kind: str, extra: list[str]) -> bool:
     return all(parameters[name].default is not inspect.Parameter.empty
                or parameters[name].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
                for name in extra)
+
+
+def _hasten_only_keywords(obj: Any, kind: str, actual: list[str], expected: list[str]) -> set[str]:
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    parameters = inspect.signature(target).parameters
+    return {name for name in actual if name not in expected and name in parameters
+            and parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+            and parameters[name].default is not inspect.Parameter.empty}
 
 
 def _row_id(row: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from hasten._lazy import lazy_getattr
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Accelerator": "hasten.accelerator",
+    "Accelerator": "hasten.accelerator.core",
     "GradientAccumulationPlugin": "hasten.utils.dataclasses",
     "ProjectConfiguration": "hasten.utils.dataclasses",
     "skip_first_batches": "hasten.data",
@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         install_as_accelerate as install_as_accelerate,
         uninstall_as_accelerate as uninstall_as_accelerate,
     )
-    from hasten.accelerator import Accelerator as Accelerator
+    from hasten.accelerator.core import Accelerator as Accelerator
     from hasten.big_modeling import (
         cpu_offload as cpu_offload,
         cpu_offload_with_hook as cpu_offload_with_hook,

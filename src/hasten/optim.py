@@ -53,8 +53,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             precision.setup_optimizer(optimizer)
             strategy = SingleDeviceStrategy(torch.device("cpu"), precision, DistributedType.NO)
         self._strategy = strategy
-        # The strategy adds nothing to optimizer.step()/zero_grad(): call them here (fewer frames per step).
-        self._direct = strategy.direct_optimizer_step()
+        # The strategy's step and zero_grad (plain functions when it adds nothing): asked once.
+        self._step, self._zero_grad = strategy.optimizer_step_fn(), strategy.zero_grad_fn()
+        self._direct = strategy.direct_optimizer_step()  # its steps are never skipped (read by the scheduler)
         self.gradient_state = GradientState()
         self.device_placement = device_placement
         self._is_overflow = False
@@ -107,12 +108,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
         """Clear gradients, only on synchronising steps (accumulated gradients survive otherwise)."""
         if self.gradient_state.sync_gradients:
-            if not self._direct:
-                self._strategy.zero_grad(self.optimizer, set_to_none)
-            elif set_to_none is None:
-                self.optimizer.zero_grad()
-            else:
-                self.optimizer.zero_grad(set_to_none=set_to_none)
+            self._zero_grad(self.optimizer, set_to_none)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Apply the update on synchronising steps; with fp16, skip it when gradients overflowed.
@@ -122,10 +118,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self.gradient_state.sync_gradients:
             return None
         if closure is None:
-            if self._direct:  # never skipped: no loss scaler
-                self.optimizer.step()
-                return None
-            self._is_overflow = not self._strategy.optimizer_step(self.optimizer)
+            self._is_overflow = not self._step(self.optimizer)
             return None
         losses: list[Any] = []
 
@@ -134,7 +127,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             losses.append(loss)
             return loss
 
-        self._is_overflow = not self._strategy.optimizer_step(self.optimizer, recording_closure)
+        self._is_overflow = not self._step(self.optimizer, recording_closure)
         return losses[0] if losses else None
 
     @property
@@ -153,6 +146,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_direct", False)  # pickled before the direct path existed: the general one
+        if "_step" not in self.__dict__:
+            self._step, self._zero_grad = self._strategy.optimizer_step, self._strategy.zero_grad
         self.gradient_state = GradientState()
 
 

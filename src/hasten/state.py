@@ -2,24 +2,19 @@
 
 Like Accelerate, each class is a "Borg": all instances share one dictionary, so a second
 ``PartialState()`` sees the state the first one set up. Tests (and notebooks that want a fresh start)
-call :func:`reset_state`.
-
-hasten starts the process group itself when the environment says there are peers (torchrun, MPI,
-SLURM, ...), with a timeout, and tears it down at interpreter exit so gloo does not abort the process
-after the user's script has finished.
+call :func:`reset_state`. With peers (torchrun, MPI, SLURM, ...) ``PartialState`` starts the process
+group through :mod:`hasten.environments.process_group`, which owns its lifetime.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,24 +29,40 @@ from hasten.environments import (
     process_group,
 )
 from hasten.ops.collectives import barrier
-from hasten.ops.debug import disable_debug_checks, enable_debug_checks
-from hasten.ops.watchdog import DEFAULT_BOUND, process_group_timeout, start_watchdog, stop_watchdog
+from hasten.ops.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
 from hasten.utils.environment import is_env_set
-from hasten.utils.other import ThreadLocalSharedDict as ThreadLocalSharedDict
 from hasten.utils.split import split_inputs
-
-if TYPE_CHECKING:
-    from hasten.strategies import Strategy
 
 #: How long a rank may wait in one collective before the watchdog reports every rank and stops the run.
 DEFAULT_TIMEOUT = DEFAULT_BOUND
 #: Debug mode names a rank missing from a collective within this time at most.
 DEBUG_MISSING_RANK_BOUND = timedelta(seconds=60)
 
-_STATE_ATTRIBUTES = (
-    "device", "distributed_type", "num_processes", "process_index", "local_process_index", "backend", "debug",
-)
+_STATE_ATTRIBUTES = ("device", "distributed_type", "num_processes", "process_index", "local_process_index",
+                     "backend", "debug")
+
+
+class ThreadLocalSharedDict(threading.local):
+    """A dictionary shared by the objects of one thread (Accelerate uses it for per-thread XLA state)."""
+
+    def __init__(self, thread_local: bool = False) -> None:
+        self._storage: dict[str, Any] = {}
+
+    def __get__(self, obj: Any, objtype: Any = None) -> dict[str, Any]:
+        return self._storage
+
+    def __set__(self, obj: Any, value: dict[str, Any]) -> None:
+        self._storage = value
+
+
+class _RunStrategy(Protocol):
+    """What the state asks of the Accelerator's strategy (the strategy layer is below; no import needed).
+    Strategies that own a plugin also answer ``fsdp_plugin``/``deepspeed_plugin``."""
+
+    distributed_type: Any
+
+    def trigger_sync_in_backward(self, model: Any) -> Any: ...
 
 
 def do_nothing(*args: Any, **kwargs: Any) -> None:
@@ -163,11 +174,7 @@ class _ProcessQueries(_Borg):
         exit for groups it started."""
         if group is None and PartialState._shared_state.get("fork_launched", False):
             return
-        if group is None:
-            stop_watchdog()
         process_group.end_group(group=group)
-        if group is None:
-            disable_debug_checks()
 
 
 class PartialState(_ProcessQueries):
@@ -236,9 +243,8 @@ class PartialState(_ProcessQueries):
         self._owns_group = owns_group
         if world > 1:
             # In debug mode the monitored barrier names a missing rank first; the watchdog comes after it.
-            start_watchdog(timeout + (min(timeout, DEBUG_MISSING_RANK_BOUND) if self.debug else timedelta()))
-        if owns_group:
-            _install_exit_teardown()
+            bound = timeout + (min(timeout, DEBUG_MISSING_RANK_BOUND) if self.debug else timedelta())
+            process_group.watch_run(bound, owned=owns_group)
 
     # ----------------------------------------------------------------------------------------- properties
     @property
@@ -261,12 +267,7 @@ class PartialState(_ProcessQueries):
         if value == self.__dict__.get("_debug", False):
             return
         self.__dict__["_debug"] = value
-        if not value:
-            disable_debug_checks()
-        elif self.num_processes > 1:
-            group = None if self.backend == "gloo" else dist.new_group(
-                backend="gloo", timeout=process_group_timeout(self.timeout))
-            enable_debug_checks(group, min(self.timeout, DEBUG_MISSING_RANK_BOUND))
+        process_group.set_debug_checks(value, timeout=self.timeout, bound=min(self.timeout, DEBUG_MISSING_RANK_BOUND))
 
     @property
     def default_device(self) -> torch.device:
@@ -354,7 +355,7 @@ class AcceleratorState(_ProcessQueries):
 
     _shared_state: dict[str, Any] = {}
     _mixed_precision: str
-    _strategy: Strategy  # the Accelerator's, for the static ``trigger_sync_in_backward``
+    _strategy: _RunStrategy  # the Accelerator's: the one source of distributed_type, is_fsdp2 and the plugins
 
     def __init__(self, mixed_precision: str | None = None, cpu: bool = False, dynamo_plugin: Any = None,
                  deepspeed_plugin: Any = None, fsdp_plugin: Any = None, torch_tp_plugin: Any = None,
@@ -375,12 +376,11 @@ class AcceleratorState(_ProcessQueries):
         self._mixed_precision = str(mixed_precision or "no")
         self.dynamo_plugin = dynamo_plugin
         self.deepspeed_plugins = deepspeed_plugin
-        self.fsdp_plugin = fsdp_plugin
+        self._requested_fsdp_plugin = fsdp_plugin  # answered until the Accelerator attaches its strategy
         self.torch_tp_plugin = torch_tp_plugin
         self.megatron_lm_plugin = megatron_lm_plugin
         self.parallelism_config = parallelism_config
         self.device_mesh = None
-        self.distributed_type = self._partial.distributed_type
 
     @property
     def initialized(self) -> bool:
@@ -422,16 +422,35 @@ class AcceleratorState(_ProcessQueries):
         chosen = self.get_deepspeed_plugin(name) if name is not None else next(iter(plugins.values()))
         self.deepspeed_plugins = {k: v for k, v in [(name, chosen)] + [(k, v) for k, v in plugins.items() if k != name]}
 
+    def _attach_strategy(self, strategy: _RunStrategy) -> None:
+        """Make ``strategy`` (the Accelerator's) the source of ``distributed_type``, ``is_fsdp2`` and the plugins."""
+        self.__dict__["_strategy"] = strategy
+
+    @property
+    def distributed_type(self) -> Any:  # type: ignore[override]
+        """The strategy's ``DistributedType`` (FSDP, DEEPSPEED, ...); the process's before a strategy exists."""
+        strategy = self.__dict__.get("_strategy")
+        return strategy.distributed_type if strategy is not None else self._partial.distributed_type
+
     @property
     def is_fsdp2(self) -> bool:
-        return self.fsdp_plugin is not None
+        """True when the strategy shards with FSDP2 (hasten's only FSDP), as ``Accelerator.is_fsdp2``."""
+        return bool(self.distributed_type == DistributedType.FSDP)
+
+    @property
+    def fsdp_plugin(self) -> Any:
+        """The FSDP settings the strategy runs with (its default plugin when none was passed), else None."""
+        strategy = self.__dict__.get("_strategy")
+        return getattr(strategy, "fsdp_plugin", None) if strategy is not None else self._requested_fsdp_plugin
 
     @property
     def deepspeed_plugin(self) -> Any:
+        """The active DeepSpeed plugin: the selected one of several, else the strategy's."""
         plugins = self.deepspeed_plugins
         if isinstance(plugins, dict):
             return next(iter(plugins.values()), None)
-        return plugins
+        strategy = self.__dict__.get("_strategy")
+        return getattr(strategy, "deepspeed_plugin", None) if strategy is not None else plugins
 
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:
@@ -538,7 +557,6 @@ def reset_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     process_group.forget_hooks()
-    stop_watchdog()
 
 
 def wait_for_everyone() -> None:
@@ -558,41 +576,3 @@ def _limit_cpu_threads(device_kind: Device, info: ProcessInfo) -> None:
     except ImportError:  # pragma: no cover - psutil is a dependency
         cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(info.local_world_size, 1)))
-
-
-_EXIT = {"installed": False}
-_EXIT_LOCK = threading.Lock()
-def add_before_destroy_hook(hook: Callable[[], None]) -> None:
-    """Run ``hook`` right before hasten destroys the process group (``end_training`` or interpreter exit).
-
-    Strategies use it (through ``Strategy.setup``) to release objects (DDP reducers) that must not
-    outlive the group.
-    """
-    process_group.add_before_end_hook(hook)
-
-
-def _install_exit_teardown() -> None:
-    with _EXIT_LOCK:
-        if _EXIT["installed"]:
-            return
-        _EXIT["installed"] = True
-    previous_hook = sys.excepthook
-
-    def _report_failure(exc_type: Any, exc: Any, tb: Any) -> None:
-        # Under torchrun/hasten launch, the error file lets the agent name the rank that failed first.
-        try:
-            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-            get_error_handler().record_exception(exc)
-        except Exception:  # noqa: BLE001 - reporting must never hide the user's own traceback
-            pass
-        previous_hook(exc_type, exc, tb)
-
-    sys.excepthook = _report_failure
-    atexit.register(_teardown_at_exit)
-
-
-def _teardown_at_exit() -> None:
-    """Destroy the process group before the interpreter exits (the policy: ``process_group.end_group``)."""
-    stop_watchdog()
-    process_group.end_group(quiet=True)

@@ -85,7 +85,7 @@ def _accelerator(kind: str, **kwargs) -> Accelerator:
         kwargs["parallelism_config"] = ParallelismConfig(
             dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp,
             tp_handler=TorchTensorParallelConfig(tp_plan=TP_PLAN) if tp > 1 else None)
-    return Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION, **kwargs)
+    return Accelerator(cpu=ON_CPU[0], gradient_accumulation_steps=ACCUMULATION, **kwargs)
 
 
 def _model() -> nn.Module:
@@ -101,6 +101,7 @@ def _world() -> tuple[int, int]:
 
 
 _KIND = [""]  # the row being run (set by _accelerator/_reference, read by _world)
+ON_CPU = [True]  # the GPU tier (test_contract_cuda.py) runs the same bodies with False, on CUDA/NCCL
 
 
 def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,10 +227,30 @@ def test_dynamo_backend_compiles_the_prepared_model(kind):
         assert max((compiled[k] - reference[k]).abs().max().item() for k in reference) < ATOL
 
 
+@pytest.mark.parametrize("kind", ROWS)
+def test_the_state_answers_what_the_accelerator_answers(kind):
+    """``AcceleratorState()`` reads the strategy, never copies: same engine, same plugins, same data rank."""
+    from hasten.state import AcceleratorState
+
+    accelerator = _accelerator(kind)
+    state = AcceleratorState()
+    assert state.is_fsdp2 == accelerator.is_fsdp2 == (kind in ("fsdp2", *_ND)), kind
+    assert state.distributed_type == accelerator.distributed_type
+    assert state.fsdp_plugin is getattr(accelerator._strategy, "fsdp_plugin", None)
+    assert (state.fsdp_plugin is not None) == state.is_fsdp2
+    assert state.deepspeed_plugin is accelerator.deepspeed_plugin
+    assert (state.deepspeed_plugin is not None) == (kind == "deepspeed")
+    # batches follow the mesh's dp dimension (tp ranks of one group read the same batch)
+    rank, size = _world()
+    assert accelerator._data_parallel_position() == (size, rank)
+    accelerator.end_training()
+
+
 def test_direct_step_path_only_where_the_strategy_and_precision_add_nothing():
     """The facade calls ``loss.backward``/``optimizer.step`` itself only when nothing would be skipped."""
     from hasten.precision import BF16Precision, FP16Precision, Precision
     from hasten.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+    from hasten.strategies.base import plain_backward, plain_optimizer_step
     from hasten.utils.dataclasses import DistributedType
 
     cpu = torch.device("cpu")
@@ -244,6 +265,8 @@ def test_direct_step_path_only_where_the_strategy_and_precision_add_nothing():
     for strategy in (SingleDeviceStrategy(cpu, Precision(), DistributedType.NO),
                      DDPStrategy(cpu, BF16Precision(), DistributedType.MULTI_CPU, 2)):
         assert strategy.direct_backward() and strategy.direct_optimizer_step()
+        assert (strategy.backward_fn(), strategy.optimizer_step_fn()) == (plain_backward, plain_optimizer_step)
     for strategy in (SingleDeviceStrategy(cpu, FP16Precision(), DistributedType.NO),  # loss scaling, skipped steps
                      Clipping(cpu, Precision(), DistributedType.NO)):
         assert not strategy.direct_backward() and not strategy.direct_optimizer_step()
+        assert strategy.backward_fn() == strategy.backward and strategy.optimizer_step_fn() == strategy.optimizer_step

@@ -28,7 +28,7 @@ class CollectivesMixin(AcceleratorBase):
         """
         from hasten.data.metrics import gather_for_metrics
 
-        return gather_for_metrics(input_data, use_gather_object=use_gather_object, stride=self._metrics_stride())
+        return gather_for_metrics(input_data, use_gather_object=use_gather_object, sources=self._metrics_sources())
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Reduce across processes; the default here is ``"sum"`` (``hasten.utils.reduce`` defaults to mean)."""

@@ -1,8 +1,9 @@
-"""N-D parallelism on the Accelerator: ``parallelism_config``, ``torch_device_mesh``, ``maybe_context_parallel``.
+"""The Accelerator's one parallelism mixin: ``parallelism_config``, ``torch_device_mesh``, the mesh ranks,
+``maybe_context_parallel``; real on an N-D mesh, the one-dimensional answers without a ``ParallelismConfig``.
 
 Data follows the mesh: ranks of one tensor/context-parallel group read the same batch, so data loaders
-are sharded over the data-parallel ranks only (:meth:`ParallelismMixin._data_parallel_position`), and
-``gather_for_metrics`` keeps one copy per data-parallel rank.
+are sharded over the mesh's ``dp`` dimension only (:meth:`NDParallelismMixin._data_parallel_position`), and
+``gather_for_metrics`` keeps what the ranks at coordinate 0 of every other dimension hold.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from hasten.accelerator._base import AcceleratorBase
 from hasten.connector import uses_nd_strategy
 from hasten.devices import select_device
 from hasten.environments import current_process_info
+from hasten.utils.dataclasses import DistributedType
+
+#: The mesh dimensions along which ranks read different batches.
+_DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
 
 
 def check_parallelism_sizes(config: Any, cpu: bool) -> None:
@@ -49,6 +54,17 @@ def build_mesh(config: Any, strategy: Any) -> Any:
     return config.build_device_mesh(strategy.device.type)
 
 
+def data_parallel_leaders(mesh: Any) -> list[int]:
+    """The global ranks at coordinate 0 of every non-data-parallel dimension of ``mesh``, in ``dp`` order.
+
+    Example:
+        >>> data_parallel_leaders(mesh)  # mesh (dp_shard=2, tp=2) over ranks [[0, 1], [2, 3]] -> [0, 2]
+    """
+    names = mesh.mesh_dim_names or ()
+    index = tuple(slice(None) if name in _DATA_PARALLEL_DIMS else 0 for name in names)
+    return [int(rank) for rank in mesh.mesh[index].flatten().tolist()]
+
+
 class NDParallelismMixin(AcceleratorBase):
     """Accelerate's N-D members, real when a ``ParallelismConfig`` is given (else the one-dimensional answers)."""
 
@@ -66,10 +82,11 @@ class NDParallelismMixin(AcceleratorBase):
         """
         return self.state.device_mesh
 
-    def _mesh_rank(self, dim: str, enabled: bool, fallback: str) -> int:
-        """This process's index along mesh dimension ``dim`` (0 when it is not in use), as Accelerate answers."""
+    def _mesh_rank(self, dim: str, enabled: bool, without_config: int) -> int:
+        """This process's index along mesh dimension ``dim`` (0 when it is not in use), as Accelerate answers;
+        ``without_config`` is the one-dimensional answer."""
         if self._settings.parallelism_config is None:
-            return int(getattr(super(), fallback))
+            return without_config
         mesh = self.torch_device_mesh
         return int(mesh.get_local_rank(dim)) if enabled and mesh is not None else 0
 
@@ -83,37 +100,42 @@ class NDParallelismMixin(AcceleratorBase):
     def data_parallel_rank(self) -> int:
         """Index along ``dp_replicate`` (Accelerate's meaning; 0 without replication)."""
         config = self._settings.parallelism_config
-        return self._mesh_rank("dp_replicate", config is not None and config.dp_replicate_enabled, "data_parallel_rank")
+        return self._mesh_rank("dp_replicate", config is not None and config.dp_replicate_enabled, self.process_index)
 
     @property
     def data_parallel_shard_rank(self) -> int:
-        """Index along ``dp_shard`` (0 without sharding)."""
+        """Index along ``dp_shard`` (0 without sharding; the global rank under FSDP2 without a config)."""
         config = self._settings.parallelism_config
-        return self._mesh_rank("dp_shard", config is not None and config.dp_shard_enabled, "data_parallel_shard_rank")
+        sharded = self.process_index if self._strategy.distributed_type == DistributedType.FSDP else 0
+        return self._mesh_rank("dp_shard", config is not None and config.dp_shard_enabled, sharded)
 
     @property
     def tensor_parallel_rank(self) -> int:
         """Index along ``tp`` (0 without tensor parallelism)."""
         config = self._settings.parallelism_config
-        return self._mesh_rank("tp", config is not None and config.tp_enabled, "tensor_parallel_rank")
+        return self._mesh_rank("tp", config is not None and config.tp_enabled, 0)
 
     @property
     def context_parallel_rank(self) -> int:
         """Index along ``cp`` (0 without context parallelism)."""
         config = self._settings.parallelism_config
-        return self._mesh_rank("cp", config is not None and config.cp_enabled, "context_parallel_rank")
+        return self._mesh_rank("cp", config is not None and config.cp_enabled, 0)
 
     def _data_parallel_position(self) -> tuple[int, int]:
-        """``(data-parallel size, this process's data-parallel rank)`` for sharding batches."""
-        config = self._settings.parallelism_config
-        if config is None:
+        """``(data-parallel size, this process's data-parallel rank)`` for sharding batches: the mesh's ``dp``."""
+        mesh = self.torch_device_mesh
+        if self._settings.parallelism_config is None or mesh is None:
             return self.num_processes, self.process_index
-        return config.data_parallel_size, self.process_index // config.non_data_parallel_size
+        dp = mesh["dp"]
+        return int(dp.size()), int(dp.get_local_rank())
 
-    def _metrics_stride(self) -> int:
-        """Processes per data-parallel rank (they hold the same batch): gather keeps every ``stride``-th."""
-        config = self._settings.parallelism_config
-        return 1 if config is None else config.non_data_parallel_size
+    def _metrics_sources(self) -> list[int] | None:
+        """The global ranks whose results ``gather_for_metrics`` keeps, in data-parallel order: one per
+        ``dp`` rank (coordinate 0 on every other mesh dimension); None keeps every process's."""
+        mesh = self.torch_device_mesh
+        if self._settings.parallelism_config is None or mesh is None:
+            return None
+        return data_parallel_leaders(mesh)
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers: list[torch.Tensor] | None = None,
@@ -130,7 +152,8 @@ class NDParallelismMixin(AcceleratorBase):
             yield
             return
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        from hasten._private_api import set_rotate_method
 
         set_rotate_method(config.cp_handler.cp_comm_strategy)
         with context_parallel(self.torch_device_mesh["cp"], buffers=buffers, buffer_seq_dims=buffer_seq_dims,
@@ -138,4 +161,4 @@ class NDParallelismMixin(AcceleratorBase):
             yield
 
 
-__all__ = ["NDParallelismMixin", "build_mesh", "check_parallelism_sizes"]
+__all__ = ["NDParallelismMixin", "build_mesh", "check_parallelism_sizes", "data_parallel_leaders"]

@@ -14,7 +14,7 @@ from torch import nn
 
 from hasten.accelerator._checkpoint import CheckpointMixin
 from hasten.accelerator._collectives import CollectivesMixin
-from hasten.accelerator._compat import ParallelismMixin
+from hasten.accelerator._compat import TrivialFeaturesMixin
 from hasten.accelerator._parallelism import NDParallelismMixin, build_mesh, check_parallelism_sizes
 from hasten.accelerator._prepare import PrepareMixin
 from hasten.accelerator._process import ProcessControlMixin
@@ -22,7 +22,7 @@ from hasten.accelerator._tracking import TrackingMixin
 from hasten.config import env as hasten_env
 from hasten.connector import build_parts, resolve_settings
 from hasten.exceptions import ConfigurationError
-from hasten.ops.watchdog import TRACKER, tracked
+from hasten.ops.watchdog import TRACKER
 from hasten.precision import detach_autocast_forward
 from hasten.precision.fp8 import ao_recipe_from_launch
 from hasten.state import AcceleratorState, GradientState
@@ -109,7 +109,7 @@ def _collect_handlers(kwargs_handlers: list[KwargsHandler] | None) -> dict[type,
 
 
 class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin,
-                  NDParallelismMixin, ParallelismMixin):
+                  NDParallelismMixin, TrivialFeaturesMixin):
     """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
 
     Example:
@@ -172,11 +172,10 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                                       _from_accelerator=True, **init_kwargs)
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)
-        self.state.distributed_type = self._strategy.distributed_type
-        self.state._strategy = self._strategy  # for the static trigger_sync_in_backward
+        self.state._attach_strategy(self._strategy)  # the state answers from it (and the static trigger_sync_in_backward)
         self._strategy.setup()
         self.state.device_mesh = build_mesh(self._settings.parallelism_config, self._strategy)
-        self._direct_backward = self._strategy.direct_backward()  # fixed with the strategy: read once
+        self._backward = self._strategy.backward_fn()  # fixed with the strategy: asked once
         self._use_distributed = bool(self.state.use_distributed)  # for accumulate(): fixed for the run
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
             num_steps=self._settings.gradient_accumulation_steps, adjust_scheduler=False)
@@ -304,25 +303,17 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         Example:
             >>> accelerator.backward(loss)
         """
-        if self._direct_backward:
-            # The hot path: the strategy and precision add nothing to loss.backward() (full precision,
-            # single device or DDP), so make the call here; an overhead-bound step then pays for this
-            # one frame (plus the watchdog's two with several processes) instead of ten.
-            steps = self.gradient_state.plugin_kwargs.get("num_steps", 1)
-            if steps > 1:
-                loss = loss / steps
-            if not TRACKER.enabled:
-                loss.backward(**kwargs)
-                return
-            TRACKER.enter("backward (gradient all-reduce)")  # seen by the hang watchdog
-            try:
-                loss.backward(**kwargs)
-            finally:
-                TRACKER.exit()
+        # The strategy's backward_fn: a plain function when it and its precision add nothing (an
+        # overhead-bound step then pays two frames, not ten), its own backward otherwise.
+        state = self.gradient_state
+        if not TRACKER.enabled:
+            self._backward(loss, sync=state.sync_gradients, accumulation_steps=state.num_steps, **kwargs)
             return
-        with tracked("backward (gradient all-reduce)"):  # seen by the hang watchdog (a no-op on one process)
-            self._strategy.backward(loss, sync=self.sync_gradients,
-                                    accumulation_steps=self.gradient_accumulation_steps, **kwargs)
+        TRACKER.enter("backward (gradient all-reduce)")  # seen by the hang watchdog
+        try:
+            self._backward(loss, sync=state.sync_gradients, accumulation_steps=state.num_steps, **kwargs)
+        finally:
+            TRACKER.exit()
 
     def _do_sync(self) -> None:
         state = self.gradient_state
@@ -439,13 +430,10 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
         """Save ``obj`` once (main process, or each machine's first with ``save_on_each_node``), atomically."""
+        from hasten.state_helpers import writes_shared_files
         from hasten.utils.serialization import save_atomically
 
-        if self.project_configuration.save_on_each_node:
-            should_save = self.is_local_main_process
-        else:
-            should_save = self.is_main_process
-        if should_save:
+        if writes_shared_files(self.project_configuration.save_on_each_node):
             save_atomically(obj, f, safe_serialization=safe_serialization)
 
     @contextlib.contextmanager

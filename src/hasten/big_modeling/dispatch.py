@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten._private_api import to_call_device
 from hasten.big_modeling.attach import attach_align_device_hook, attach_align_device_hook_on_blocks
 from hasten.big_modeling.device_map import _walk_device_map, check_device_map
 from hasten.big_modeling.hooks import (
@@ -154,7 +155,7 @@ class _Chain(Mapping):  # type: ignore[type-arg]
 def _warn_on_move(fn: Callable[..., Any], model: nn.Module) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if fn.__name__ != "to" or torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
+        if fn.__name__ != "to" or to_call_device(*args, **kwargs) is not None:
             logger.warning(_MOVE_WARNING)
         if any(p.device.type == "meta" for p in model.parameters()):
             raise RuntimeError("You can't move a model that has some modules offloaded to cpu or disk: remove the "

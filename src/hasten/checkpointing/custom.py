@@ -1,4 +1,5 @@
-"""Accelerate's ``save_custom_state``/``load_custom_state``: one registered object's ``state_dict`` per file."""
+"""Accelerate's ``save_custom_state`` (its writing half) and ``load_custom_state``: one registered object's
+``state_dict`` per file."""
 
 from __future__ import annotations
 
@@ -13,14 +14,10 @@ def _custom_file(path: str | os.PathLike[str], index: int) -> Path:
     return Path(path) / f"custom_checkpoint_{index}.pkl"
 
 
-def save_custom_state(obj: Any, path: str | os.PathLike[str], index: int = 0, save_on_each_node: bool = False) -> None:
-    """Save ``obj.state_dict()`` to ``path/custom_checkpoint_{index}.pkl`` (on the main process, or once
-    per machine with ``save_on_each_node``), crash-safely."""
-    from hasten.state import PartialState
-
-    state = PartialState()
-    if state.is_local_main_process if save_on_each_node else state.is_main_process:
-        torch_save(obj.state_dict(), _custom_file(path, index))
+def write_custom_state(obj: Any, path: str | os.PathLike[str], index: int = 0) -> None:
+    """Write ``obj.state_dict()`` to ``path/custom_checkpoint_{index}.pkl``, crash-safely (the caller decides
+    which process writes: ``hasten.utils.save_custom_state``)."""
+    torch_save(obj.state_dict(), _custom_file(path, index))
 
 
 def load_custom_state(obj: Any, path: str | os.PathLike[str], index: int = 0) -> None:

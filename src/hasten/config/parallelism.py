@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hasten._private_api import flatten_mesh
 from hasten.exceptions import ConfigurationError
 
 #: Mesh dimensions, outermost first.
@@ -280,7 +281,7 @@ class ParallelismConfig:
         # Accelerate's flattened views, always present (a view of one dimension is that dimension).
         for flat, parts in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
                             ("dp_cp", self.dp_cp_dim_names)):
-            mesh[tuple(parts)]._flatten(flat)
+            flatten_mesh(mesh[tuple(parts)], flat)
         self.device_mesh = mesh
         return mesh
 

@@ -23,7 +23,7 @@ def _all_tensors(data: Any) -> bool:
     return True
 
 
-def gather_for_metrics(input_data: Any, use_gather_object: bool = False, stride: int = 1) -> Any:
+def gather_for_metrics(input_data: Any, use_gather_object: bool = False, sources: list[int] | None = None) -> Any:
     """Gather ``input_data`` from every process; on the last batch, keep only the real samples.
 
     Tensors (nested in lists/tuples/dicts) are gathered with ``gather``; anything else, or everything
@@ -36,8 +36,9 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False, stride:
     Args:
         input_data: a tensor, a nested structure of tensors, or picklable objects (one item per sample).
         use_gather_object: gather as Python objects.
-        stride: consecutive processes that hold the same batch (tensor/context-parallel groups of an
-            N-D run): only the first of each group contributes, so every sample still appears once.
+        sources: the ranks whose results to keep, in order (one per data-parallel rank of an N-D run,
+            whose tensor/context-parallel groups hold the same batch), so every sample still appears
+            once; None keeps every process's.
 
     Example:
         >>> for batch in eval_loader:
@@ -48,8 +49,8 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False, stride:
         The gathered data; over a whole pass, every sample of the dataset exactly once.
     """
     as_objects = use_gather_object or not _all_tensors(input_data)
-    if stride > 1:
-        data = _gather_group_leaders(input_data, stride, as_objects)
+    if sources is not None:
+        data = _gather_from(input_data, sources, as_objects)
     else:
         data = gather_object(input_data) if as_objects else gather(input_data)
     state = GradientState()
@@ -71,24 +72,17 @@ def gather_for_metrics(input_data: Any, use_gather_object: bool = False, stride:
         return data
 
 
-def _gather_group_leaders(input_data: Any, stride: int, as_objects: bool) -> Any:
-    """Gather from every process, keep what processes ``0, stride, 2*stride, ...`` sent (in that order)."""
+def _gather_from(input_data: Any, sources: list[int], as_objects: bool) -> Any:
+    """Gather from every process through ``ops`` (watched and debug-checked), keep what ``sources`` sent."""
+    if as_objects:
+        parts = gather_object([input_data])  # one item per rank: the rank's own object
+        out: list[Any] = []
+        for part in (parts[rank] for rank in sources):
+            out.extend(part if isinstance(part, (list, tuple)) else [part])
+        return out
     import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return input_data
-    world = dist.get_world_size()
-    if as_objects:
-        parts: list[Any] = [None] * world
-        dist.all_gather_object(parts, input_data)
-        out: list[Any] = []
-        for part in parts[::stride]:
-            out.extend(part if isinstance(part, (list, tuple)) else [part])
-        return out
-
-    def _leaders(gathered: torch.Tensor) -> torch.Tensor:
-        chunks = gathered.chunk(world, dim=0)
-        return torch.cat(chunks[::stride], dim=0)
-
-    return recursively_apply(_leaders, gather(input_data))
+    world = dist.get_world_size() if dist.is_initialized() else 1  # gather stacks each rank's rows in rank order
+    return recursively_apply(lambda gathered: torch.cat([gathered.chunk(world, dim=0)[r] for r in sources], dim=0),
+                             gather(input_data))

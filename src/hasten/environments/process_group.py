@@ -1,15 +1,20 @@
-"""The one owner of the ``torch.distributed`` process-group lifecycle: start, adopt, release, end.
+"""The one owner of the ``torch.distributed`` process-group lifetime: start, adopt, watch, release, end.
 
 Everything in hasten that creates or destroys the default group goes through here: ``PartialState``
 (the run's group), the strategies (a private one-rank group so FSDP2/DeepSpeed run unchanged in a
-plain ``python script.py``), ``notebook_launcher``/``debug_launcher`` and the test harness. Objects
-that must not outlive the group (DDP reducers) register a release hook, run right before it ends.
+plain ``python script.py``), ``notebook_launcher``/``debug_launcher`` and the test harness. What hangs
+on the group lives here too: the hang watchdog (:func:`watch_run`), the debug-mode gloo sub-group
+(:func:`set_debug_checks`), the failure-report ``sys.excepthook`` and the single ``atexit``
+registration. Objects that must not outlive the group (DDP reducers) register a release hook, run
+right before it ends. Teardown order (:func:`end_group`): watchdog stopped (before its store goes
+away), release hooks newest first, optional barrier, group destroyed, debug checks off.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,9 +24,13 @@ import torch
 import torch.distributed as dist
 
 from hasten.exceptions import DistributedOperationError
+from hasten.ops.debug import disable_debug_checks, enable_debug_checks
+from hasten.ops.watchdog import process_group_timeout, start_watchdog, stop_watchdog
 
 _BEFORE_END: list[Callable[[], None]] = []
-_PRIVATE = {"atexit": False}
+#: What this module installed process-wide, each at most once per process: the atexit teardown and the
+#: failure-report excepthook (with the hook it wraps, to put back).
+_INSTALLED: dict[str, Any] = {"atexit": False, "excepthook": None}
 _LOCK = threading.Lock()
 
 
@@ -58,10 +67,7 @@ def ensure_group(device: torch.device, num_processes: int = 1, backend: str | No
                                             "initialised; start the run with `hasten launch`.")
         backend = "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
         start_group(backend=backend, rank=0, world_size=1, store=dist.HashStore())
-        with _LOCK:
-            if not _PRIVATE["atexit"]:
-                _PRIVATE["atexit"] = True
-                atexit.register(end_group, quiet=True)
+        _end_at_exit()
         return True
     if dist.get_world_size() != num_processes:
         raise DistributedOperationError(f"The process group has {dist.get_world_size()} processes but hasten counts "
@@ -97,8 +103,73 @@ def run_before_end_hooks() -> None:
 
 
 def forget_hooks() -> None:
-    """Drop the registered hooks without running them (``reset_state``)."""
+    """Drop the registered hooks without running them and stop the watchdog (``reset_state``)."""
     _BEFORE_END.clear()
+    stop_watchdog()
+
+
+def watch_run(bound: timedelta, *, owned: bool) -> None:
+    """Watch the running group for hangs (a watchdog thread with ``bound``; none for one process).
+
+    With ``owned`` (the run's own group, started by ``PartialState``) the group is also ended at
+    interpreter exit and an uncaught exception is recorded for torchrun's agent first.
+    """
+    start_watchdog(bound)
+    if owned:
+        _end_at_exit()
+        _report_failures()
+
+
+def set_debug_checks(enabled: bool, *, timeout: timedelta, bound: timedelta) -> None:
+    """Turn debug mode's cross-rank checks on or off for the running group.
+
+    The checks meet at a gloo group: the default group when it is gloo, else a gloo sub-group made
+    here (destroyed with the default group). ``timeout`` is the group's, ``bound`` how long a check
+    waits for a missing rank.
+    """
+    if not enabled:
+        disable_debug_checks()
+        return
+    if not group_running() or dist.get_world_size() == 1:
+        return
+    group = None if dist.get_backend() == "gloo" else dist.new_group(
+        backend="gloo", timeout=process_group_timeout(timeout))
+    enable_debug_checks(group, bound)
+
+
+def _end_at_exit() -> None:
+    # One atexit registration per process, whoever started the group first.
+    with _LOCK:
+        if _INSTALLED["atexit"]:
+            return
+        _INSTALLED["atexit"] = True
+    atexit.register(end_group, quiet=True)
+
+
+def _report_failures() -> None:
+    with _LOCK:
+        if _INSTALLED["excepthook"] is not None:
+            return
+        _INSTALLED["excepthook"] = previous = sys.excepthook
+
+    def _record_then_report(exc_type: Any, exc: Any, tb: Any) -> None:
+        # Under torchrun/hasten launch, the error file lets the agent name the rank that failed first.
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+            get_error_handler().record_exception(exc)
+        except Exception:  # noqa: BLE001 - reporting must never hide the user's own traceback
+            pass
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = _record_then_report
+
+
+def _restore_excepthook() -> None:
+    with _LOCK:
+        previous, _INSTALLED["excepthook"] = _INSTALLED["excepthook"], None
+    if previous is not None:
+        sys.excepthook = previous
 
 
 def end_group(*, barrier: bool = False, group: Any = None, quiet: bool = False) -> None:
@@ -111,26 +182,36 @@ def end_group(*, barrier: bool = False, group: Any = None, quiet: bool = False) 
     a destroy the waiting peer gets an error. Forked ranks that all finish normally (launchers, the
     test harness) pass ``barrier=True``: there gloo may abort a rank whose peer tears down first.
 
+    The order, for the default group: the watchdog stops (it polls the group's store), the release
+    hooks run newest first, the optional barrier, the destroy (which also ends every sub-group, the
+    debug one included), then debug checks go off and the failure-report excepthook is taken back.
+
     Args:
         barrier: wait for every rank first (its error propagates after the group is destroyed).
-        group: a sub-group to destroy instead of the default one (no hooks run).
+        group: a sub-group to destroy instead of the default one (no hooks run, the watchdog stays).
         quiet: swallow a failing destroy (interpreter exit: a peer that already left must not turn
             success into a crash).
     """
     if group is None:
+        stop_watchdog()
         run_before_end_hooks()
-    if not group_running():
-        return
     try:
-        if barrier and group is None:
-            dist.barrier()
-    finally:
+        if not group_running():
+            return
         try:
-            dist.destroy_process_group(group)
-        except Exception:
-            if not quiet:
-                raise
+            if barrier and group is None:
+                dist.barrier()
+        finally:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:
+                if not quiet:
+                    raise
+    finally:
+        if group is None:
+            disable_debug_checks()
+            _restore_excepthook()
 
 
 __all__ = ["add_before_end_hook", "end_group", "ensure_group", "export_rank_variables", "forget_hooks",
-           "group_running", "run_before_end_hooks", "start_group"]
+           "group_running", "run_before_end_hooks", "set_debug_checks", "start_group", "watch_run"]

@@ -11,7 +11,6 @@ script a successful worker, always.
 
 from __future__ import annotations
 
-import atexit
 import os
 import runpy
 import signal
@@ -80,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: python -m hasten.launchers.worker [--module] TARGET [ARGS...]", file=sys.stderr)
         os._exit(2)
     from hasten._accelerate_alias import install_unless_real_accelerate
+    from hasten._private_api import run_exit_functions
     from hasten.config.env import launch_config
     from hasten.launchers.affinity import pin_local_rank
     from hasten.launchers.network import bind_worker_store
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     store = bind_worker_store(os.environ)  # noqa: F841 - kept alive while the script runs
     install_unless_real_accelerate()  # a Trainer/TRL/PEFT script runs unchanged without Accelerate installed
     code = run_target(argv[0], argv[1:], as_module)
-    atexit._run_exitfuncs()  # trackers, hasten's teardown, logging.shutdown: everything exit would run
+    run_exit_functions()  # trackers, hasten's teardown, logging.shutdown: everything exit would run
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hasten._private_api import clone_default_store
 from hasten.ops.debug import describe, format_description, user_file, user_frame
 
 DEFAULT_BOUND = timedelta(minutes=5)
@@ -241,10 +242,8 @@ def start_watchdog(bound: timedelta) -> bool:
     stop_watchdog()
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return False
-    try:
-        # torch's stub for Store lacks clone(), which every c10d store has (one clone per thread is the rule)
-        store = dist.distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - a store without clone(): the process group's timeout still bounds hangs
+    store = clone_default_store()
+    if store is None:  # a store without clone(): the process group's timeout still bounds hangs
         return False
     watchdog = _Watchdog(store, dist.get_rank(), dist.get_world_size(), bound)
     TRACKER.enabled = True

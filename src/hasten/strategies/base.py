@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +30,34 @@ class CheckedState:
 
     optimizer_states: list[Any] = field(default_factory=list)
     models: Any = None
+
+
+
+def window_mean(loss: torch.Tensor, accumulation_steps: int) -> torch.Tensor:
+    """The micro-batch's share of the accumulation window's mean loss: the one place the loss is divided."""
+    return loss / accumulation_steps if accumulation_steps > 1 else loss
+
+
+def plain_backward(loss: torch.Tensor, *, sync: bool = True, accumulation_steps: int = 1, **kwargs: Any) -> None:
+    """:meth:`Strategy.backward` when neither strategy nor precision adds anything: the window mean's backward."""
+    window_mean(loss, accumulation_steps).backward(**kwargs)
+
+
+def plain_optimizer_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+    """:meth:`Strategy.optimizer_step` with nothing to add (no loss scaler): the optimizer's step, never skipped."""
+    if closure is None:
+        optimizer.step()
+    else:
+        optimizer.step(closure)
+    return True
+
+
+def plain_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool | None = None) -> None:
+    """:meth:`Strategy.zero_grad` with nothing to add: the optimizer's own."""
+    if set_to_none is None:
+        optimizer.zero_grad()
+    else:
+        optimizer.zero_grad(set_to_none=set_to_none)
 
 
 class Strategy:
@@ -167,9 +195,27 @@ class Strategy:
             accumulation_steps: micro-steps per optimizer step.
             **kwargs: passed to ``Tensor.backward``.
         """
-        if accumulation_steps > 1:
-            loss = loss / accumulation_steps
-        self.precision.backward(loss, **kwargs)
+        self.precision.backward(window_mean(loss, accumulation_steps), **kwargs)
+
+    def backward_fn(self) -> Callable[..., None]:
+        """What the facade calls for each micro-step's backward, with :meth:`backward`'s signature; asked once.
+
+        :func:`plain_backward` (the window mean, then ``loss.backward``) when :meth:`direct_backward`
+        holds: two Python frames fewer on every step of an overhead-bound loop, and the accumulation
+        rule stays here. Otherwise this strategy's own :meth:`backward`.
+        """
+        return plain_backward if self.direct_backward() else self.backward
+
+    def optimizer_step_fn(self) -> Callable[..., bool]:
+        """What the prepared optimizer calls to step, with :meth:`optimizer_step`'s signature; asked once.
+
+        :func:`plain_optimizer_step` when :meth:`direct_optimizer_step` holds, else :meth:`optimizer_step`.
+        """
+        return plain_optimizer_step if self.direct_optimizer_step() else self.optimizer_step
+
+    def zero_grad_fn(self) -> Callable[..., None]:
+        """What the prepared optimizer calls to clear gradients (:func:`plain_zero_grad` on the direct path)."""
+        return plain_zero_grad if self.direct_optimizer_step() else self.zero_grad
 
     def direct_backward(self) -> bool:
         """True when :meth:`backward` is exactly ``loss.backward(**kwargs)`` after the accumulation division.
@@ -195,10 +241,7 @@ class Strategy:
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool | None = None) -> None:
         """Clear the optimizer's gradients (after a synchronising step)."""
-        if set_to_none is None:
-            optimizer.zero_grad()
-        else:
-            optimizer.zero_grad(set_to_none=set_to_none)
+        plain_zero_grad(optimizer, set_to_none)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the loss scale (before clipping)."""

@@ -11,9 +11,8 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hasten.exceptions import ConfigurationError
 from hasten.strategies.base import Strategy
-from hasten.utils.dataclasses import DDPCommunicationHookType, DistributedDataParallelKwargs
+from hasten.utils.dataclasses import DistributedDataParallelKwargs
 
 _UNUSED_HINT = (
     "\nHINT: some parameters did not take part in the loss. Pass "
@@ -72,7 +71,7 @@ class DDPStrategy(Strategy):
             kwargs.setdefault("device_ids", [self.device])
             kwargs.setdefault("output_device", self.device)
         ddp = HastenDDP(model, **kwargs)
-        register_comm_hook(ddp, self.ddp_kwargs)
+        self.ddp_kwargs.register_comm_hook(ddp)
         self._wrappers.append(weakref.ref(ddp))
         return ddp
 
@@ -97,68 +96,9 @@ class DDPStrategy(Strategy):
             model.require_backward_grad_sync, model.require_forward_param_sync = saved
 
 
-def register_comm_hook(model: DistributedDataParallel, kwargs: DistributedDataParallelKwargs) -> None:
-    """Install the communication hook named by ``kwargs.comm_hook`` (optionally wrapped)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    hook_type = DDPCommunicationHookType(kwargs.comm_hook)
-    wrapper = DDPCommunicationHookType(kwargs.comm_wrapper)
-    if hook_type == DDPCommunicationHookType.NO:
-        if wrapper != DDPCommunicationHookType.NO:
-            raise ConfigurationError(f"DistributedDataParallelKwargs(comm_wrapper={wrapper.value!r}) needs a "
-                                     "comm_hook (power_sgd or batched_power_sgd) to wrap.")
-        return
-    hooks = {
-        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
-        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
-        DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
-        DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
-    }
-    hook: Any = hooks[hook_type]
-    if hook_type == DDPCommunicationHookType.BF16 and model.device_type != "cuda":
-        hook = bf16_compress_hook_any_backend  # torch's own hook refuses anything but CUDA + NCCL
-    state: Any = None
-    if hook_type in (DDPCommunicationHookType.POWER_SGD, DDPCommunicationHookType.BATCHED_POWER_SGD):
-        state = powerSGD_hook.PowerSGDState(process_group=None, **kwargs.comm_state_option)
-    if wrapper == DDPCommunicationHookType.FP16:
-        hook = default_hooks.fp16_compress_wrapper(hook)
-    elif wrapper == DDPCommunicationHookType.BF16:
-        hook = default_hooks.bf16_compress_wrapper(hook)
-    model.register_comm_hook(state, hook)
-
-
-def bf16_compress_hook_any_backend(process_group: Any, bucket: Any) -> Any:
-    """All-reduce gradients in bfloat16 (halving traffic) on any backend, gloo included."""
-    import torch
-    import torch.distributed as dist
-
-    group = process_group if process_group is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
-    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-    def decompress(fut: Any) -> Any:
-        buffer.copy_(fut.value()[0])
-        return buffer
-
-    return future.then(decompress)
-
-
-def _annotate_hook() -> None:
-    # DDP inspects a hook's annotations and wants the real classes, not this module's postponed strings.
-    import torch
-    import torch.distributed as dist
-
-    bf16_compress_hook_any_backend.__annotations__ = {
-        "process_group": Any, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-
-
-_annotate_hook()
-
-
 def is_ddp(model: Any) -> bool:
     """True for a DistributedDataParallel module."""
     return isinstance(model, DistributedDataParallel)
 
 
-__all__ = ["DDPStrategy", "HastenDDP", "is_ddp", "register_comm_hook"]
+__all__ = ["DDPStrategy", "HastenDDP", "is_ddp"]

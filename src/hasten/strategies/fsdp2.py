@@ -19,6 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hasten._private_api import (
+    composable_checkpoint,
+    fsdp_param_records,
+    pending_gradient,
+    set_pending_gradient,
+)
 from hasten.checkpointing import dcp as sharded, files as ckpt
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
 from hasten.config.plugins.fsdp_units import (
@@ -170,8 +176,7 @@ class FSDP2Strategy(Strategy):
         ignored = ignored_module_list(model, plugin.ignored_modules)
         units = select_units(model, build_wrap_policy(plugin, model), ignored)
         if plugin.activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
+            checkpoint = composable_checkpoint()
             for module in checkpoint_targets(model, units, ignored):
                 checkpoint(module)
         self._fully_shard(model, units, ignored)
@@ -341,7 +346,8 @@ class FSDP2Strategy(Strategy):
         """This rank's unsharded gradients gathered under ``no_sync``, not yet reduce-scattered.
 
         FSDP2 keeps them on its per-parameter records (``FSDPParam``): in the unsharded parameter's
-        ``grad``, or, when gradients are reduced in another dtype, in ``unsharded_accumulated_grad``.
+        ``grad``, or, when gradients are reduced in another dtype, in a pending-gradient slot; both are FSDP2
+        internals, read through ``hasten._private_api.pending_gradient``.
         Parameters FSDP2 does not manage (ignored modules) keep theirs on ``param.grad``.
         """
         inner = unwrap_common(model)
@@ -351,9 +357,7 @@ class FSDP2Strategy(Strategy):
         managed: set[int] = set()
         for name, record in _fsdp_params(inner):
             managed.add(id(record.sharded_param))
-            pending = record.unsharded_accumulated_grad
-            if pending is None and hasattr(record, "_unsharded_param"):
-                pending = record._unsharded_param.grad
+            pending = pending_gradient(record)
             if pending is not None:  # under tensor parallel: this rank's TP slice of the unsharded gradient
                 grads[name] = _local(pending).detach().cpu().contiguous()
         for name, param in inner.named_parameters():
@@ -375,13 +379,7 @@ class FSDP2Strategy(Strategy):
         for name, grad in grads.items():
             if name in records:
                 record = records[name]
-                grad = grad.to(record.sharded_param.device)
-                spec = getattr(record, "_unsharded_dtensor_spec", None)  # a tensor-parallel parameter
-                if spec is not None:
-                    from torch.distributed.tensor import DTensor
-
-                    grad = DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False)
-                record.unsharded_accumulated_grad = grad
+                set_pending_gradient(record, grad.to(record.sharded_param.device))
             else:
                 params[name].grad = grad.to(params[name].device, dtype=params[name].dtype)
 
@@ -396,8 +394,7 @@ def _fsdp_params(model: nn.Module) -> list[tuple[str, Any]]:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for record in group.fsdp_params if group is not None else ():
+        for record in fsdp_param_records(module):
             found.append((names[id(record.sharded_param)], record))
     return found
 

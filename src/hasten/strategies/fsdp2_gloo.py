@@ -16,8 +16,8 @@ streams and its own defaults are the right ones.
    on its own thread, so an all-gather issued early moves data while this thread computes the current
    unit. The forward order is read from the first forward (hooks removed after it), then each unit
    prefetches the next (``set_modules_to_forward_prefetch``, public); FSDP2's implicit backward
-   prefetch then also runs asynchronously. The switch itself, ``_set_unshard_async_op``, is FSDP2's own
-   method but private: it is looked up and skipped when absent, so a torch without it runs FSDP2's
+   prefetch then also runs asynchronously. The switch itself is FSDP2's own method but private
+   (``hasten._private_api.set_unshard_async``): it is looked up and skipped when absent, so a torch without it runs FSDP2's
    synchronous default.
 """
 
@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hasten._private_api import has_unshard_async, set_unshard_async
 
 
 class InPlaceAllReduceScatter:
@@ -67,10 +69,10 @@ def tune_for_gloo(root: nn.Module, units: Sequence[nn.Module]) -> None:
         except ValueError:  # several parameter groups on one module (per-parameter meshes): keep the default
             pass
     blocks = [m for m in sharded if m is not root]
-    if not blocks or not all(hasattr(m, "_set_unshard_async_op") for m in sharded):
+    if not blocks or not all(has_unshard_async(m) for m in sharded):
         return
     for module in sharded:
-        module._set_unshard_async_op(True)
+        set_unshard_async(module)
     _prefetch_in_forward_order(root, blocks)
 
 

@@ -52,18 +52,19 @@ _add("hasten.utils.unsupported", *"""
     prepare_multi_gpu_env prepare_simple_launcher_cmd_env""".split())
 _add("hasten.utils.modeling", *"""
     are_libraries_initialized check_os_kernel check_tied_parameters_in_config clean_state_dict_for_safetensors
-    compile_regions compile_regions_deepspeed compile_regions_fsdp2 convert_bytes deepspeed_required
-    extract_model_from_parallel get_fsdp2_grad_scaler get_grad_scaler get_mixed_precision_context_manager
+    compile_regions compile_regions_deepspeed compile_regions_fsdp2 convert_bytes
+    extract_model_from_parallel get_fsdp2_grad_scaler get_grad_scaler
     get_model_tp_size get_module_children_bottom_up get_pretty_name has_4bit_bnb_layers has_ao_layers
     has_compiled_regions has_transformer_engine_layers merge_dicts model_has_dtensor recursive_getattr
     torchao_required""".split())
 _add("hasten.utils.fp8", "AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "FP8BackendType",
      "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers")
-_add("hasten.checkpointing.custom", "save_custom_state", "load_custom_state")
+_add("hasten.checkpointing.custom", "load_custom_state")
+_add("hasten.state_helpers", "deepspeed_required", "get_mixed_precision_context_manager", "save", "save_custom_state")
 _add("hasten.launchers.compat", "PrepareForLaunch")
 _add("hasten.utils.fsdp2", "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict",
      "fsdp2_prepare_model", "fsdp2_switch_optimizer_parameters")
-_add("hasten.utils.serialization", "save", "load")
+_add("hasten.utils.serialization", "load")
 _add("hasten.exceptions", "DistributedOperationException")
 _add("hasten.ops.compat", "CannotPadNestedTensorWarning", "GatheredParameters", "TensorInformation",
      "convert_outputs_to_fp32", "copy_tensor_to_devices", "initialize_tensors", "is_tensor_information")
@@ -177,10 +178,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         save_offload_index as save_offload_index,
         set_module_tensor_to_device as set_module_tensor_to_device,
     )
-    from hasten.checkpointing.custom import (
-        load_custom_state as load_custom_state,
-        save_custom_state as save_custom_state,
-    )
+    from hasten.checkpointing.custom import load_custom_state as load_custom_state
     from hasten.checkpointing.dcp import merge_fsdp_weights as merge_fsdp_weights
     from hasten.checkpointing.fsdp_files import (
         load_fsdp_model as load_fsdp_model,
@@ -239,6 +237,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         TorchTensorParallelConfig as TorchTensorParallelConfig,
     )
     from hasten.state import wait_for_everyone as wait_for_everyone
+    from hasten.state_helpers import (
+        deepspeed_required as deepspeed_required,
+        get_mixed_precision_context_manager as get_mixed_precision_context_manager,
+        save as save,
+        save_custom_state as save_custom_state,
+    )
     from hasten.tracking import (
         filter_trackers as filter_trackers,
         get_available_trackers as get_available_trackers,
@@ -401,11 +405,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         compile_regions_deepspeed as compile_regions_deepspeed,
         compile_regions_fsdp2 as compile_regions_fsdp2,
         convert_bytes as convert_bytes,
-        deepspeed_required as deepspeed_required,
         extract_model_from_parallel as extract_model_from_parallel,
         get_fsdp2_grad_scaler as get_fsdp2_grad_scaler,
         get_grad_scaler as get_grad_scaler,
-        get_mixed_precision_context_manager as get_mixed_precision_context_manager,
         get_model_tp_size as get_model_tp_size,
         get_module_children_bottom_up as get_module_children_bottom_up,
         get_pretty_name as get_pretty_name,
@@ -420,7 +422,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
     )
     from hasten.utils.serialization import (
         load as load,
-        save as save,
         save_atomically as save_atomically,
     )
     from hasten.utils.sizes import convert_file_size_to_int as convert_file_size_to_int

@@ -171,9 +171,10 @@ class DistributedDataParallelKwargs(KwargsHandler):
 
     def register_comm_hook(self, model: Any) -> None:
         """Install this handler's ``comm_hook`` (optionally wrapped by ``comm_wrapper``) on a DDP model."""
-        from hasten.strategies.ddp import register_comm_hook
+        from hasten.utils.ddp_hooks import install_comm_hook
 
-        register_comm_hook(model, self)
+        install_comm_hook(model, DDPCommunicationHookType(self.comm_hook).value,
+                          DDPCommunicationHookType(self.comm_wrapper).value, self.comm_state_option)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten import _private_api as private_api
 from hasten.exceptions import ConfigurationError
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -60,8 +61,7 @@ def fsdp2_apply_ac(accelerator: Any, model: nn.Module) -> nn.Module:
 
     The blocks are the plugin's ``transformer_cls_names_to_wrap``, else the model's ``_no_split_modules``.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
-
+    apply_activation_checkpointing = private_api.apply_activation_checkpointing()
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     names: Iterable[str] = getattr(plugin, "transformer_cls_names_to_wrap", None) or \
         getattr(model, "_no_split_modules", None) or ()

@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from hasten.exceptions import ConfigurationError, MissingDependencyError
+from hasten.exceptions import MissingDependencyError
 from hasten.utils.imports import is_torchao_available
 
 
@@ -238,22 +238,6 @@ def check_tied_parameters_in_config(model: nn.Module) -> bool:
     return tied_embeddings or tied_encoder_decoder or tied_modules
 
 
-def deepspeed_required(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorator: the method may only run when the Accelerator is set up with DeepSpeed."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from hasten.state import AcceleratorState
-
-        state = AcceleratorState()
-        if str(getattr(state, "distributed_type", "")) != "DEEPSPEED":
-            raise ConfigurationError(f"`{func.__name__}` needs DeepSpeed: pass `deepspeed_plugin=DeepSpeedPlugin(...)` "
-                                     "to the Accelerator or launch with `hasten launch --use_deepspeed`.")
-        return func(*args, **kwargs)
-
-    return wrapper
-
-
 def torchao_required(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator: raise a ``MissingDependencyError`` unless torchao is installed."""
 
@@ -275,21 +259,6 @@ def get_grad_scaler(distributed_type: Any = None, **kwargs: Any) -> torch.amp.Gr
 def get_fsdp2_grad_scaler(**kwargs: Any) -> torch.amp.GradScaler:
     """The grad scaler for FSDP2 (torch's ``GradScaler`` handles DTensor gradients)."""
     return get_grad_scaler(None, **kwargs)
-
-
-def get_mixed_precision_context_manager(native_amp: bool = False,
-                                        autocast_kwargs: Any = None) -> Any:
-    """``torch.autocast`` for the Accelerator's mixed precision (fp16/bf16), or a do-nothing context."""
-    import contextlib
-
-    from hasten.state import AcceleratorState
-
-    state = AcceleratorState()
-    kwargs = autocast_kwargs.to_kwargs() if autocast_kwargs is not None else {}
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    if not native_amp or state.mixed_precision not in dtypes:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=state.device.type, dtype=dtypes[state.mixed_precision], **kwargs)
 
 
 # --- issue 23 (hfstack): names Transformers and diffusers import from accelerate.utils.modeling ---------------

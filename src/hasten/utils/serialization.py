@@ -83,20 +83,6 @@ def save_atomically(obj: Any, f: str | os.PathLike[str], safe_serialization: boo
         write_atomically(f, lambda tmp: torch.save(obj, tmp))
 
 
-def save(obj: Any, f: str | os.PathLike[str], save_on_each_node: bool = False,
-         safe_serialization: bool = False) -> None:
-    """Save ``obj`` once per job (or once per machine with ``save_on_each_node``), crash-safely.
-
-    Example:
-        >>> save(accelerator.get_state_dict(model), "weights.safetensors", safe_serialization=True)
-    """
-    from hasten.state import PartialState
-
-    state = PartialState()
-    if state.is_local_main_process if save_on_each_node else state.is_main_process:
-        save_atomically(obj, f, safe_serialization=safe_serialization)
-
-
 def load(f: str | os.PathLike[str], map_location: Any = None, **kwargs: Any) -> Any:
     """Load what :func:`save` wrote; never runs code (``weights_only=True`` unless you pass otherwise)."""
     import torch

@@ -1,0 +1,200 @@
+"""Every private API hasten touches (torch, CPython, pytest), named in one place and each guarded.
+
+Private APIs are normal in this field (torchtitan flattens meshes with ``DeviceMesh._flatten`` too);
+what matters is that they are listed, checked against the installed version, and fail with a clear
+message instead of an ``AttributeError`` deep inside a run. Each accessor below says what it falls back
+to, or raises :class:`PrivateAPIError` naming the API, the installed torch and what to do.
+``tests/test_private_api.py`` exercises every one of them on the torch version it is pinned to, and
+fails loudly when torch moves, so the list is re-checked on each upgrade.
+
+Nothing else in ``src/hasten`` may reach these names (a house rule greps for them).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from hasten.exceptions import HastenError
+
+#: The torch release every accessor was last checked against (``tests/test_private_api.py``).
+CHECKED_TORCH = "2.13"
+
+
+class PrivateAPIError(HastenError, RuntimeError):
+    """A private API hasten relies on is missing or changed in the installed torch."""
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def _missing(api: str, needed_for: str) -> PrivateAPIError:
+    return PrivateAPIError(
+        f"{api} is not available in torch {_torch_version()} (hasten was checked against torch {CHECKED_TORCH}); "
+        f"{needed_for} needs it. HINT: install torch {CHECKED_TORCH}.x, or report this so "
+        "hasten/_private_api.py can follow the change.")
+
+
+def _import(module: str, name: str, needed_for: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(f"{module}.{name}", needed_for) from exc
+
+
+# --------------------------------------------------------------------------------- torch.distributed
+def clone_default_store() -> Any:
+    """A second handle on the default group's store (``_get_default_store().clone()``) for another thread.
+
+    Falls back to None (the caller then runs without the hang watchdog; the group's own timeout
+    still bounds hangs).
+    """
+    import torch.distributed as dist
+
+    try:
+        # torch's stub for Store lacks clone(), which every c10d store has (one clone per thread is the rule)
+        return dist.distributed_c10d._get_default_store().clone()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - no default store, or a store without clone()
+        return None
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``DeviceMesh._flatten(name)``: a named one-dimensional view over several mesh dimensions.
+
+    Raises:
+        PrivateAPIError: the method is gone.
+    """
+    flatten = getattr(mesh, "_flatten", None)
+    if flatten is None:
+        raise _missing("DeviceMesh._flatten", "the flattened data-parallel mesh views ('dp', 'dp_cp', ...)")
+    return flatten(name)
+
+
+def set_unshard_async(module: Any) -> bool:
+    """``FSDPModule._set_unshard_async_op(True)``; False (nothing changed) when this torch lacks it."""
+    switch = getattr(module, "_set_unshard_async_op", None)
+    if switch is None:
+        return False
+    switch(True)
+    return True
+
+
+def has_unshard_async(module: Any) -> bool:
+    """Whether :func:`set_unshard_async` can act on ``module``."""
+    return hasattr(module, "_set_unshard_async_op")
+
+
+def fsdp_param_records(module: Any) -> list[Any]:
+    """The per-parameter records (``FSDPParam``) of one ``FSDPModule``: ``_get_fsdp_state()._fsdp_param_group``.
+
+    Raises:
+        PrivateAPIError: FSDP2's state or parameter group moved (the mid-window save cannot read the
+            pending gradients then).
+    """
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group
+    except AttributeError as exc:
+        raise _missing("FSDPModule._get_fsdp_state()._fsdp_param_group",
+                       "saving inside an accumulation window under FSDP2") from exc
+    return list(group.fsdp_params) if group is not None else []
+
+
+def pending_gradient(record: Any) -> Any:
+    """An ``FSDPParam``'s gradient accumulated under ``no_sync`` and not yet reduce-scattered (or None):
+    ``unsharded_accumulated_grad``, else ``_unsharded_param.grad``.
+
+    Raises:
+        PrivateAPIError: the record lacks ``unsharded_accumulated_grad``.
+    """
+    if not hasattr(record, "unsharded_accumulated_grad"):
+        raise _missing("FSDPParam.unsharded_accumulated_grad", "saving inside an accumulation window under FSDP2")
+    pending = record.unsharded_accumulated_grad
+    if pending is None and hasattr(record, "_unsharded_param"):
+        pending = record._unsharded_param.grad
+    return pending
+
+
+def set_pending_gradient(record: Any, grad: Any) -> None:
+    """Give an ``FSDPParam`` back a pending gradient (a DTensor on its unsharded spec under tensor parallel)."""
+    if not hasattr(record, "unsharded_accumulated_grad"):
+        raise _missing("FSDPParam.unsharded_accumulated_grad", "resuming inside an accumulation window under FSDP2")
+    spec = getattr(record, "_unsharded_dtensor_spec", None)  # a tensor-parallel parameter
+    if spec is not None:
+        from torch.distributed.tensor import DTensor
+
+        grad = DTensor.from_local(grad, spec.mesh, spec.placements, run_check=False)
+    record.unsharded_accumulated_grad = grad
+
+
+def composable_checkpoint() -> Callable[..., Any]:
+    """``torch.distributed._composable.checkpoint``: activation checkpointing that composes with ``fully_shard``."""
+    return _import("torch.distributed._composable", "checkpoint", "FSDP2 activation checkpointing")
+
+
+def apply_activation_checkpointing() -> Callable[..., Any]:
+    """``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.apply_activation_checkpointing``."""
+    return _import("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "apply_activation_checkpointing",
+                   "fsdp2_apply_ac")
+
+
+def set_rotate_method(method: str) -> None:
+    """Context parallel's ring rotation (``allgather``/``alltoall``): ``tensor.experimental._attention``."""
+    _import("torch.distributed.tensor.experimental._attention", "set_rotate_method", "context parallelism")(method)
+
+
+# ---------------------------------------------------------------------------------------- torch core
+def to_call_device(*args: Any, **kwargs: Any) -> Any:
+    """The device a ``Module.to(*args, **kwargs)`` call names (None for a dtype-only call): ``torch._C._nn._parse_to``.
+
+    Falls back to "a device is named" (the caller then warns on every ``to``) when the parser moved.
+    """
+    import torch
+
+    parse = getattr(getattr(torch._C, "_nn", None), "_parse_to", None)
+    if parse is None:
+        return "unknown"
+    return parse(*args, **kwargs)[0]
+
+
+# ------------------------------------------------------------------------------------ CPython, pytest
+def run_exit_functions() -> None:
+    """Run the ``atexit`` functions now (``atexit._run_exitfuncs``), before an ``os._exit`` skips them.
+
+    Raises:
+        PrivateAPIError: the interpreter has no such function (then ``os._exit`` would skip teardown).
+    """
+    import atexit
+
+    run = getattr(atexit, "_run_exitfuncs", None)
+    if run is None:
+        raise PrivateAPIError("atexit._run_exitfuncs is missing in this Python: hasten's worker bootstrap cannot "
+                              "run the exit functions before leaving. Use CPython 3.10-3.13.")
+    run()
+
+
+def fixture_argnames(item: Any) -> tuple[str, ...]:
+    """The fixture names a pytest test function asks for (``item._fixtureinfo.argnames``).
+
+    Raises:
+        PrivateAPIError: pytest moved it.
+    """
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        raise PrivateAPIError("pytest's Function._fixtureinfo is gone: the world_size mark cannot hand fixtures to "
+                              "the ranks. Use the pytest version pinned in pyproject.toml.")
+    return tuple(info.argnames)
+
+
+#: Every name above, for the house rule that keeps them here.
+PRIVATE_NAMES = ("_get_default_store", "_flatten(", "_set_unshard_async_op", "_get_fsdp_state", "_fsdp_param_group",
+                 "_unsharded_", "unsharded_accumulated_grad", "distributed._composable", "algorithms._checkpoint",
+                 "experimental._attention", "_parse_to", "_run_exitfuncs", "_fixtureinfo")
+
+__all__ = ["CHECKED_TORCH", "PRIVATE_NAMES", "PrivateAPIError", "apply_activation_checkpointing", "clone_default_store",
+           "composable_checkpoint", "fixture_argnames", "flatten_mesh", "fsdp_param_records", "has_unshard_async",
+           "pending_gradient", "run_exit_functions", "set_pending_gradient", "set_rotate_method", "set_unshard_async",
+           "to_call_device"]

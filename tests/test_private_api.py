@@ -1,0 +1,73 @@
+"""Every private API of ``hasten/_private_api.py`` works on the torch it is pinned to, and a torch upgrade
+fails here first, loudly, so each one is re-checked instead of breaking silently in a run (the FSDP2
+internals are what the bit-exact mid-window resume stands on)."""
+
+import atexit
+
+import pytest
+import torch
+from torch import nn
+
+from hasten import _private_api as private
+
+
+def test_torch_is_the_version_the_private_apis_were_checked_against():
+    assert torch.__version__.startswith(private.CHECKED_TORCH + "."), (
+        f"torch {torch.__version__} is installed but hasten/_private_api.py was checked against torch "
+        f"{private.CHECKED_TORCH}: re-run this file, check each accessor against the new torch's source "
+        f"({', '.join(private.__all__)}), then update CHECKED_TORCH.")
+
+
+# On a forked rank with its own one-rank group: a gloo group in the pytest process would be inherited
+# by every rank the harness forks later.
+@pytest.mark.world_size(1)
+def test_store_clone_and_mesh_flatten():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert private.clone_default_store() is not None
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    private.flatten_mesh(mesh[("a", "b")], "ab")
+    assert mesh["ab"].size() == 1
+
+
+@pytest.mark.world_size(1)
+def test_fsdp2_pending_gradients_round_trip():
+    """What the mid-window save reads and the resume writes back: FSDP2's pending unsharded gradient."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    fully_shard(model)
+    assert private.has_unshard_async(model) and private.set_unshard_async(model)
+    model.set_requires_gradient_sync(False)
+    model(torch.ones(4, 3)).sum().backward()
+    records = private.fsdp_param_records(model)
+    assert len(records) == 2
+    pending = [private.pending_gradient(record) for record in records]
+    assert all(grad is not None for grad in pending)
+    weight_grad = pending[0].detach().clone()
+    private.set_pending_gradient(records[0], weight_grad * 2)
+    assert torch.equal(private.pending_gradient(records[0]), weight_grad * 2)
+
+
+def test_imports_of_private_modules_resolve():
+    assert callable(private.composable_checkpoint())
+    assert callable(private.apply_activation_checkpointing())
+    private.set_rotate_method("allgather")  # torch's default: setting it changes nothing
+
+
+def test_module_to_parser_and_interpreter_and_pytest_internals(request):
+    assert private.to_call_device(torch.device("cpu")) == torch.device("cpu")
+    assert private.to_call_device(torch.float16) is None
+    assert hasattr(atexit, "_run_exitfuncs")  # run_exit_functions is called for real by the launch tests
+    assert "request" in private.fixture_argnames(request.node)
+
+
+def test_a_moved_api_raises_a_clear_error():
+    with pytest.raises(private.PrivateAPIError, match=r"_fsdp_param_group is not available in torch .* checked "
+                                                      r"against torch .*HINT"):
+        private.fsdp_param_records(nn.Linear(1, 1))
+    with pytest.raises(private.PrivateAPIError, match="unsharded_accumulated_grad"):
+        private.pending_gradient(object())
+    with pytest.raises(private.PrivateAPIError, match="_fixtureinfo"):
+        private.fixture_argnames(object())
