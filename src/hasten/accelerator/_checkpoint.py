@@ -258,7 +258,7 @@ class CheckpointMixin(AcceleratorBase):
         if not rng_path.is_file():
             raise CheckpointError(checks.missing_rng_message(folder, rng_path, manifest, self.process_index,
                                                              self.num_processes))
-        plan["rng"] = (rng_path, ckpt.load_registered_state(rng_path))  # Accelerate's files hold NumPy states
+        plan["rng"] = (rng_path, ckpt.load_rng_file(rng_path))  # Accelerate's files hold NumPy states
         checks.check_rng_state(plan["rng"][1], rng_path)
         plan["gradients"] = []
         for i, _ in enumerate(self._models):
