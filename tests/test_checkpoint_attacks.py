@@ -150,3 +150,157 @@ def test_user_types_in_registered_objects_need_explicit_registration(tmp_path, m
         accelerator.load_state(folder, verify_checksums=False)
     with pytest.raises(TypeError, match="not a class"):
         add_safe_types(Moody.CALM)
+
+
+# ------------------------------------------------- 2. a manifest never reaches outside its folder
+def _rewrite_manifest(folder: Path, edit) -> None:
+    path = folder / "hasten_checkpoint.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "through_a_link"])
+def test_an_in_place_save_never_removes_files_a_manifest_lists_outside_the_folder(tmp_path, monkeypatch, how):
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("precious")
+    monkeypatch.chdir(work)
+    accelerator, *_ = _setup()
+    accelerator.save_state(".")
+    listed = {"dotdot": "../outside/victim.txt", "absolute": str(victim), "through_a_link": "sub/victim.txt"}[how]
+    if how == "through_a_link":
+        (work / "sub").symlink_to(outside)
+    _rewrite_manifest(work, lambda m: m["files"].update({listed: {"size": 8, "crc32": "00000000"}}))
+    with pytest.raises(CheckpointError, match=r"crafted|sub"):
+        accelerator.save_state(".")
+    assert victim.read_text() == "precious"
+
+
+def test_load_state_reads_nothing_a_crafted_manifest_lists_outside_the_folder(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s" * 1234)
+    accelerator, *_ = _setup()
+    folder = accelerator.save_state(tmp_path / "ck")
+    _rewrite_manifest(folder, lambda m: m["files"].update({"../secret.txt": {"size": 1, "crc32": "00000000"}}))
+    with pytest.raises(CheckpointError, match=r"damaged or crafted .*leaves the folder") as info:
+        accelerator.load_state(folder)
+    assert "1234" not in str(info.value)
+    (folder / "hasten_checkpoint.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=r"damaged or crafted \(nested too deeply\)"):
+        accelerator.load_state(folder)
+    (folder / "hasten_checkpoint.json").unlink()
+    (folder / "model.safetensors").rename(tmp_path / "real.safetensors")
+    (folder / "model.safetensors").symlink_to(tmp_path / "real.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.safetensors"):  # without a manifest a link is not hasten's
+        accelerator.save_state(folder)
+    assert (tmp_path / "real.safetensors").is_file()
+
+
+# ------------------------------ 3. without a manifest only exact checkpoint names are hasten's
+USER_ENTRIES = ["model_card.md", "models/best.pt", "latest_metrics.json", "optimizer_sweep.yaml",
+                "scheduler_notes.txt", "empty/", "data", "pytorch_model_fsdp_0/notes.txt", "random_states_0.pkl.bak"]
+
+
+@pytest.mark.parametrize("entry,manifest", [(e, False) for e in USER_ENTRIES] + [("empty/", True), ("data", True)])
+def test_user_entries_that_look_like_checkpoint_files_are_never_replaced(tmp_path, entry, manifest):
+    accelerator, *_ = _setup()
+    folder = accelerator.save_state(tmp_path / "ck")
+    if not manifest:
+        (folder / "hasten_checkpoint.json").unlink()  # now laid out like Accelerate's checkpoint
+    (tmp_path / "dataset").mkdir()
+    if entry == "data":
+        (folder / "data").symlink_to(tmp_path / "dataset")
+    elif entry.endswith("/"):
+        (folder / entry).mkdir()
+    else:
+        (folder / entry).parent.mkdir(exist_ok=True)
+        (folder / entry).write_text("mine")
+    with pytest.raises(CheckpointError, match=rf"already holds files .*{entry.split('/')[0]}"):
+        accelerator.save_state(folder)
+    assert os.path.lexists(folder / entry.rstrip("/")) and (tmp_path / "dataset").is_dir()
+    assert not (folder / entry).is_file() or (folder / entry).read_text() == "mine"
+
+
+def test_a_folder_with_only_accelerate_names_is_replaced(tmp_path):
+    accelerator, model, optimizer = _setup()
+    folder = accelerator.save_state(tmp_path / "ck")
+    (folder / "hasten_checkpoint.json").unlink()
+    for name in ("sampler.bin", "dl_state_dict.bin", "scaler.pt", "custom_checkpoint_0.pkl"):
+        (folder / name).write_bytes(b"from accelerate")
+    accelerator.save_state(folder)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert not (folder / "sampler.bin").exists() and (folder / "hasten_checkpoint.json").is_file()
+
+
+# ---------------------------------------------------------------- 4. symlinked folders stay links
+def test_a_symlinked_checkpoint_folder_stays_a_link(tmp_path):
+    scratch = tmp_path / "scratch" / "ck"
+    scratch.mkdir(parents=True)
+    link = tmp_path / "ck"
+    link.symlink_to(scratch)
+    accelerator, model, optimizer = _setup()
+    for _ in range(3):
+        accelerator.save_state(link)
+        saved = _weights(accelerator, model)
+        accelerator.backward(model(torch.ones(2, 4)).sum())
+        optimizer.step()
+    assert link.is_symlink() and os.path.realpath(link) == str(scratch)
+    assert (scratch / "model.safetensors").is_file() and sorted(os.listdir(tmp_path)) == ["ck", "scratch"]
+    assert sorted(os.listdir(tmp_path / "scratch")) == ["ck"]
+    accelerator.load_state(link)
+    assert _same(_weights(accelerator, model), saved)
+
+
+def test_a_symlinked_project_folder_stays_a_link(tmp_path):
+    real = tmp_path / "scratch"
+    real.mkdir()
+    project = tmp_path / "project"
+    project.symlink_to(real)
+    config = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True, total_limit=1)
+    accelerator, *_ = _setup(project_config=config)
+    for _ in range(3):
+        accelerator.save_state()
+    assert project.is_symlink() and sorted(os.listdir(real / "checkpoints")) == ["checkpoint_2"]
+
+
+# -------------------------------------------------- 5. numbering continues after the highest one
+def test_a_fresh_run_numbers_after_existing_checkpoints_and_keeps_its_own(tmp_path):
+    from hasten.state import reset_state
+
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, iteration=5)
+    accelerator, *_ = _setup(project_config=config)
+    accelerator.save_state()
+    accelerator.save_state()
+    reset_state()
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    accelerator, model, optimizer = _setup(project_config=config)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        model[0].weight.normal_()
+    mine = _weights(accelerator, model)
+    assert accelerator.save_state().name == "checkpoint_7"
+    assert accelerator.save_state().name == "checkpoint_8"
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_7", "checkpoint_8"]
+    reset_state()
+    accelerator, model, optimizer = _setup(project_config=ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2))
+    assert accelerator.load_state().name == "checkpoint_8"
+    assert _same(_weights(accelerator, model), mine)
+    accelerator.load_state(tmp_path / "checkpoints" / "checkpoint_7")  # an older one: numbering still goes on
+    assert accelerator.save_state().name == "checkpoint_9"
+
+
+def test_prune_never_removes_the_checkpoint_just_written(tmp_path):
+    from hasten.checkpointing import prune
+
+    root = tmp_path / "checkpoints"
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, iteration=5)
+    accelerator, *_ = _setup(project_config=config)
+    accelerator.save_state()
+    accelerator.save_state()
+    (root / "checkpoint_5").rename(root / "checkpoint_0")  # an older number for a newer checkpoint
+    assert prune(root, 1, keep=root / "checkpoint_0") == [root / "checkpoint_6"]
+    assert sorted(os.listdir(root)) == ["checkpoint_0"]

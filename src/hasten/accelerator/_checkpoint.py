@@ -38,6 +38,7 @@ from hasten.checkpointing.naming import (
     is_incomplete,
     iteration_of,
     newest_checkpoint,
+    next_iteration,
     prepare_staging,
     prune,
     publish,
@@ -56,11 +57,18 @@ class CheckpointMixin(AcceleratorBase):
     def _checkpoint_target(self, output_dir: str | os.PathLike[str] | None) -> Path:
         config = self.project_configuration
         if config.automatic_checkpoint_naming:
+            # Numbering continues after the highest checkpoint present (the main process's view counts).
+            iteration = next_iteration(self.project_dir, config.iteration) if self.is_main_process else 0
+            if self.num_processes > 1:
+                iteration = ops.broadcast_object_list([iteration])[0]
+            config.iteration = iteration
             return checkpoints_root(self.project_dir) / f"checkpoint_{config.iteration}"
         if output_dir is None:
             raise CheckpointError("save_state() needs `output_dir`, or "
                                   "`ProjectConfiguration(automatic_checkpoint_naming=True)` and a project_dir.")
-        return Path(os.path.abspath(Path(output_dir).expanduser()))  # "." and ".." have no name to stage beside
+        target = Path(os.path.abspath(Path(output_dir).expanduser()))  # "." and ".." have no name to stage beside
+        # A symlinked folder (ckpt -> /scratch/...) stays a link: the save is staged and published beside its target.
+        return Path(os.path.realpath(target)) if target.is_symlink() else target
 
     def _start_save(self, target: Path) -> None:
         """Main process: check, prune, create the staging folder; then everyone learns the outcome."""
@@ -125,7 +133,7 @@ class CheckpointMixin(AcceleratorBase):
         self.wait_for_everyone()
         if self.is_main_process and self.project_configuration.automatic_checkpoint_naming:
             run_stage_hooks("published", target)
-            prune(target.parent, self.project_configuration.total_limit)  # only now: never zero checkpoints
+            prune(target.parent, self.project_configuration.total_limit, keep=target)  # only now: never zero checkpoints
         self.project_configuration.iteration += 1
         return target
 
