@@ -304,3 +304,79 @@ def test_prune_never_removes_the_checkpoint_just_written(tmp_path):
     (root / "checkpoint_5").rename(root / "checkpoint_0")  # an older number for a newer checkpoint
     assert prune(root, 1, keep=root / "checkpoint_0") == [root / "checkpoint_6"]
     assert sorted(os.listdir(root)) == ["checkpoint_0"]
+
+
+# ------------------------------- 6. interrupted saves and rotations never block or confuse the next
+SAVE_AND_DIE = """
+import contextlib, sys, torch
+from torch import nn
+from hasten import Accelerator, ProjectConfiguration
+from hasten.checkpointing import SAVE_STAGE_HOOKS, manifest
+root, auto, stage, limit = sys.argv[1], sys.argv[2] == "auto", sys.argv[3], int(sys.argv[4])
+config = ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=auto, total_limit=limit if auto else None)
+accelerator = Accelerator(project_config=config)
+torch.manual_seed(0)
+model = accelerator.prepare(nn.Linear(3, 3))
+for _ in range(limit):
+    accelerator.save_state(root + "/ck")            # complete checkpoints (automatic naming ignores the path)
+with torch.no_grad():
+    model.weight.add_(1.0)
+def wait():
+    print("AT", stage, flush=True)
+    sys.stdin.readline()                            # wait here until killed
+if stage == "manifest":                             # killed with the manifest half written
+    real = manifest.atomic_path
+    @contextlib.contextmanager
+    def half(target):
+        with real(target) as tmp:
+            yield tmp
+            if target.name == manifest.MANIFEST:
+                tmp.write_text(tmp.read_text()[:20])
+                wait()
+    manifest.atomic_path = half
+else:
+    SAVE_STAGE_HOOKS.append(lambda name, folder: wait() if name == stage else None)
+accelerator.save_state(root + "/ck")
+print("AT end", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("mode,stage,limit", [("named", "manifest", 1), ("auto", "manifest", 1),
+                                              ("auto", "pruning", 1), ("auto", "pruning", 2)])
+def test_a_kill_while_the_manifest_is_written_or_while_pruning_never_blocks_the_next_save(tmp_path, mode, stage,
+                                                                                          limit):
+    import signal
+    import subprocess
+    import sys
+
+    from hasten.checkpointing import complete_checkpoints
+    from hasten.state import reset_state
+
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_AND_DIE)
+    root = tmp_path / "proj"
+    proc = subprocess.Popen([sys.executable, str(script), str(root), mode, stage, str(limit)], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == f"AT {stage}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    reset_state()
+    auto = mode == "auto"
+    config = ProjectConfiguration(project_dir=str(root), automatic_checkpoint_naming=auto, total_limit=limit)
+    accelerator = Accelerator(project_config=config)
+    torch.manual_seed(1)
+    model = accelerator.prepare(nn.Linear(3, 3))
+    if auto:  # only complete checkpoints count: nothing half-deleted or half-written
+        assert len(complete_checkpoints(root / "checkpoints")) == limit
+    accelerator.load_state(None if auto else root / "ck")
+    torch.manual_seed(0)
+    delta = (model.weight - nn.Linear(3, 3).weight).detach()
+    assert torch.allclose(delta, torch.zeros(3, 3) if stage == "manifest" else torch.ones(3, 3))
+    accelerator.save_state(None if auto else root / "ck")  # leftovers are recognised as hasten's and cleared
+    names = sorted(os.listdir(root / "checkpoints" if auto else root))
+    assert not [n for n in names if n.endswith((".tmp", ".old", ".pruning"))], names
+    if auto:
+        assert len(names) == limit, names
