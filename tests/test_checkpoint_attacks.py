@@ -380,3 +380,50 @@ def test_a_kill_while_the_manifest_is_written_or_while_pruning_never_blocks_the_
     assert not [n for n in names if n.endswith((".tmp", ".old", ".pruning"))], names
     if auto:
         assert len(names) == limit, names
+
+
+# ------------------------------------------------ 7. a load failing on one process fails on all
+class RankFussy(Counter):
+    """Refuses its saved state on process 1 only (after partly taking it, as real code does)."""
+
+    def load_state_dict(self, state):
+        self.count = -1
+        if int(os.environ["RANK"]) == 1 and state["count"] == 6:
+            raise KeyError("epoch")
+        self.count = state["count"]
+
+
+def _load_failing_on_rank_1(root: str, damage_rng: bool) -> list:
+    from hasten.checkpointing.manifest import write_manifest
+
+    accelerator, model, optimizer = _setup()
+    first, fussy = Counter(5), RankFussy(6)
+    accelerator.register_for_checkpointing(first, fussy)
+    folder = accelerator.save_state(Path(root) / "ck")
+    if damage_rng and accelerator.is_main_process:  # passes its checksum, does not parse
+        (folder / "random_states_1.pkl").write_bytes(b"not a pickle at all")
+        write_manifest(folder, 2)
+    accelerator.wait_for_everyone()
+    accelerator.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+    first.count, fussy.count = 50, 60
+    weights, rng = _weights(accelerator, model), torch.get_rng_state()
+    try:
+        accelerator.load_state(folder, **({} if damage_rng else {"verify_checksums": True}))
+        error = "loaded"
+    except CheckpointError as exc:
+        error = str(exc)
+    restored = first.count == 50 and fussy.count == 60 and _same(_weights(accelerator, model), weights)
+    accelerator.wait_for_everyone()  # both processes got here: nobody hangs in a collective
+    return [error, restored and torch.equal(torch.get_rng_state(), rng)]
+
+
+@pytest.mark.parametrize("damage_rng", [False, True])
+def test_a_load_failing_on_one_process_raises_the_same_error_everywhere_and_restores_all(tmp_path, damage_rng):
+    results = run_on_ranks(_load_failing_on_rank_1, world_size=2, args=(str(tmp_path), damage_rng), timeout=90,
+                           pg_timeout=20)
+    (error0, restored0), (error1, restored1) = results
+    assert error0 == error1, results
+    expected = r"process 1: .*random_states_1.pkl" if damage_rng else r"process 1: .*registered object #1 \(RankFussy\)"
+    assert __import__("re").search(expected, error0), error0
+    assert restored0 and restored1

@@ -222,20 +222,27 @@ class CheckpointMixin(AcceleratorBase):
 
     def _agree(self, read: Any) -> dict[str, Any]:
         """Run the read phase on every process; if any process fails, every process raises its error."""
-        plan, error, message = None, None, None
+        plan, error = None, None
         try:
             plan = read()
         except Exception as exc:  # noqa: BLE001 - shared with the other processes, then raised
             error = exc
-            message = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        self._raise_if_any_failed(error)
+        assert plan is not None
+        return plan
+
+    def _raise_if_any_failed(self, error: BaseException | None) -> None:
+        """Share each process's outcome; if any failed, raise the first failure's message on every process."""
+        message = None
+        if error is not None:
+            message = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+            message = message.removeprefix("load_state: ")
         messages = ops.gather_object([message]) if self.num_processes > 1 else [message]
         failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
         if failed:
             rank, text = failed[0]
             prefix = "" if self.num_processes == 1 else f"process {rank}: "
             raise CheckpointError(f"load_state: {prefix}{text}") from error
-        assert plan is not None
-        return plan
 
     def _read_checkpoint(self, folder: Path, strict: bool, map_location: Any, verify: bool = True) -> dict[str, Any]:
         plan: dict[str, Any] = {"schedulers": [], "loaders": [], "custom": []}
@@ -279,22 +286,49 @@ class CheckpointMixin(AcceleratorBase):
 
     def _apply_checkpoint(self, plan: dict[str, Any], strict: bool, folder: Path) -> None:
         # Everything was read and checked; apply the small states first, each with an undo, so a
-        # failure (a registered object refusing its state) puts back what was already restored.
-        with Transaction(folder) as tx:
-            if "scaler" in plan:
-                tx.apply("the loss scaler", self._precision, plan["scaler"])
-            for i, (optimizer, state) in enumerate(zip(self._optimizers, plan["strategy"].optimizer_states)):
-                tx.apply(f"optimizer #{i}", optimizer, state)
-            for i, (scheduler, state) in enumerate(zip(self._schedulers, plan["schedulers"])):
-                tx.apply(f"scheduler #{i}", scheduler, state)
-            for i, (loader, state) in enumerate(zip(self._dataloaders, plan["loaders"])):
-                tx.apply(f"data loader #{i}", loader, state)
-            for i, (obj, state) in enumerate(zip(self._custom_objects, plan["custom"])):
-                tx.apply(f"registered object #{i} ({type(obj).__name__})", obj, state)
-            tx.run("the models", lambda: self._load_models(plan, strict, folder))
-        path, rng = plan["rng"]
-        self.step = restore_rng_state(rng, path)
+        # failure (a registered object refusing its state) puts back what was already restored. The
+        # processes agree after the small states (before the models, whose loading may be collective)
+        # and again at the end: a failure on any process is undone and raised on every process.
+        tx = Transaction(folder)
+        self._agreed_step(tx, lambda: self._apply_small_states(tx, plan))
+        self._agreed_step(tx, lambda: self._apply_models_and_generators(tx, plan, strict, folder))
         self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
+
+    def _agreed_step(self, tx: Transaction, action: Any) -> None:
+        error = None
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - shared with the other processes, then raised
+            error = exc
+        try:
+            self._raise_if_any_failed(error)
+        except CheckpointError:
+            tx.undo()
+            raise
+
+    def _apply_small_states(self, tx: Transaction, plan: dict[str, Any]) -> None:
+        if "scaler" in plan:
+            tx.apply("the loss scaler", self._precision, plan["scaler"])
+        for i, (optimizer, state) in enumerate(zip(self._optimizers, plan["strategy"].optimizer_states)):
+            tx.apply(f"optimizer #{i}", optimizer, state)
+        for i, (scheduler, state) in enumerate(zip(self._schedulers, plan["schedulers"])):
+            tx.apply(f"scheduler #{i}", scheduler, state)
+        for i, (loader, state) in enumerate(zip(self._dataloaders, plan["loaders"])):
+            tx.apply(f"data loader #{i}", loader, state)
+        for i, (obj, state) in enumerate(zip(self._custom_objects, plan["custom"])):
+            tx.apply(f"registered object #{i} ({type(obj).__name__})", obj, state)
+
+    def _apply_models_and_generators(self, tx: Transaction, plan: dict[str, Any], strict: bool, folder: Path) -> None:
+        tx.run("the models", lambda: self._load_models(plan, strict, folder))
+        path, rng = plan["rng"]
+        step, generators = self.step, capture_rng_state(self.step)
+
+        def put_back() -> None:
+            restore_rng_state(generators, path)
+            self.step = step
+
+        tx.on_undo(put_back)
+        self.step = restore_rng_state(rng, path)
 
     def _load_models(self, plan: dict[str, Any], strict: bool, folder: Path) -> None:
         """Last, once every small state is in: what the strategy loads itself, then accumulated gradients."""
