@@ -427,3 +427,20 @@ def test_a_load_failing_on_one_process_raises_the_same_error_everywhere_and_rest
     expected = r"process 1: .*random_states_1.pkl" if damage_rng else r"process 1: .*registered object #1 \(RankFussy\)"
     assert __import__("re").search(expected, error0), error0
     assert restored0 and restored1
+
+
+def test_pruning_keeps_folders_it_cannot_prove_are_hasten_s(tmp_path):
+    root = tmp_path / "checkpoints"
+    config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
+    accelerator, *_ = _setup(project_config=config)
+    for _ in range(3):
+        accelerator.save_state()
+        if accelerator.project_configuration.iteration == 1:  # checkpoint_0: a file changed since the save
+            with open(root / "checkpoint_0" / "optimizer.bin", "ab") as handle:
+                handle.write(b"edited")
+        if accelerator.project_configuration.iteration == 2:  # checkpoint_1: a crafted manifest
+            _rewrite_manifest(root / "checkpoint_1", lambda m: m["files"].update({"../x": {"size": 1,
+                                                                                          "crc32": "00000000"}}))
+    with pytest.warns(UserWarning, match=r"kept .*checkpoint_\d"):
+        accelerator.save_state()
+    assert sorted(os.listdir(root)) == ["checkpoint_0", "checkpoint_1", "checkpoint_3"]

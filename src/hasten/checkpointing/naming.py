@@ -127,7 +127,7 @@ def prune(root: Path, total_limit: int | None, keep: Path | None = None) -> list
     excess = min(len(found) + (keep is not None) - max(total_limit, 1), newest)
     removed = []
     for _, path in found[: max(excess, 0)]:
-        foreign = [path.name] if path.is_symlink() else foreign_entries(path)
+        foreign = [path.name] if path.is_symlink() else _foreign_or_unverifiable(path)
         if foreign:
             warnings.warn(f"total_limit: kept {path} because it holds files hasten did not write: {foreign[:5]}",
                           stacklevel=3)
@@ -144,6 +144,15 @@ def prune(root: Path, total_limit: int | None, keep: Path | None = None) -> list
     if removed:
         fsync_dir(root)
     return removed
+
+
+def _foreign_or_unverifiable(folder: Path) -> list[str]:
+    """:func:`foreign_entries`, with a damaged or crafted manifest counted as foreign (pruning runs on
+    the main process only, after publishing: it must keep such a folder, not raise)."""
+    try:
+        return foreign_entries(folder)
+    except CheckpointError as exc:
+        return [f"{MANIFEST} ({exc})"]
 
 
 def writes_in_place(target: Path) -> bool:
