@@ -188,6 +188,12 @@ def test_load_state_reads_nothing_a_crafted_manifest_lists_outside_the_folder(tm
     with pytest.raises(CheckpointError, match=r"damaged or crafted .*leaves the folder") as info:
         accelerator.load_state(folder)
     assert "1234" not in str(info.value)
+    (folder / "hasten_checkpoint.json").unlink()
+    genuine = accelerator.save_state(folder)
+    (folder / "optimizer.bin").rename(tmp_path / "real_optimizer.bin")
+    (folder / "optimizer.bin").symlink_to(tmp_path / "real_optimizer.bin")  # same bytes, through a link
+    with pytest.raises(CheckpointError, match=r"optimizer.bin is reached through a symbolic link"):
+        accelerator.load_state(genuine)
     (folder / "hasten_checkpoint.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CheckpointError, match=r"damaged or crafted \(nested too deeply\)"):
         accelerator.load_state(folder)

@@ -167,17 +167,18 @@ def _allowed_for(kind: str) -> list[Any]:
 
 
 def torch_load(source: Path | bytes, name: Path, *, map_location: Any = "cpu", extra: Iterable[Any] = (),
-               kind: str = "plain", mmap: bool = False) -> Any:
+               kind: str = "plain", mmap: bool = False, user_types: bool = False) -> Any:
     """``torch.load(weights_only=True)`` with the allow-list of ``kind`` (:data:`KINDS`) and ``extra``.
 
-    ``source`` is a path or the file's bytes; ``name`` is the file named in errors.
+    ``source`` is a path or the file's bytes; ``name`` is the file named in errors. ``user_types=True``
+    is the former spelling of ``kind="registered"``.
 
     Raises:
         CheckpointError: the file is missing, damaged, or names a type outside the allow-list.
     """
     if isinstance(source, Path) and not source.is_file():
         raise CheckpointError(f"Checkpoint file {name} is missing.")
-    allowed = list(extra) + _allowed_for(kind)
+    allowed = list(extra) + _allowed_for("registered" if user_types else kind)
     try:
         with torch.serialization.safe_globals(allowed):
             stream: Any = io.BytesIO(source) if isinstance(source, bytes) else source
@@ -190,7 +191,7 @@ def torch_load(source: Path | bytes, name: Path, *, map_location: Any = "cpu", e
             refused = refused.split("\n")[0].removeprefix("GLOBAL").strip()
             hint = (" Registered objects may hold tensors, builtins, NumPy values, datetime and pathlib; to allow "
                     "a class of your own, trust it explicitly with hasten.checkpointing.add_safe_types(<class>) "
-                    "before load_state.") if kind == "registered" else ""
+                    "before load_state.") if kind == "registered" or user_types else ""
             raise CheckpointError(
                 f"Checkpoint file {name} holds a type outside the allow-list for this kind of file "
                 f"({refused[:200]}); it was not loaded and nothing in it ran.{hint}") from None
