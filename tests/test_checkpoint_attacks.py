@@ -450,3 +450,25 @@ def test_pruning_keeps_folders_it_cannot_prove_are_hasten_s(tmp_path):
     with pytest.warns(UserWarning, match=r"kept .*checkpoint_\d"):
         accelerator.save_state()
     assert sorted(os.listdir(root)) == ["checkpoint_0", "checkpoint_1", "checkpoint_3"]
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "a/../../x", "./model.safetensors", "a//b", "a\\..\\b",
+                                  "d/" * 16 + "x", "hasten_checkpoint.json"])
+def test_every_crafted_manifest_name_is_refused_before_anything_is_read(tmp_path, name):
+    accelerator, *_ = _setup()
+    folder = accelerator.save_state(tmp_path / "ck")
+    _rewrite_manifest(folder, lambda m: m["files"].update({name: {"size": 1, "crc32": "00000000"}}))
+    with pytest.raises(CheckpointError, match=r"damaged or crafted"):
+        accelerator.load_state(folder)
+    with pytest.raises(CheckpointError, match=r"damaged or crafted"):
+        accelerator.save_state(folder)
+
+
+def test_an_oversized_manifest_is_refused(tmp_path, monkeypatch):
+    from hasten.checkpointing import manifest
+
+    accelerator, *_ = _setup()
+    folder = accelerator.save_state(tmp_path / "ck")
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 100)
+    with pytest.raises(CheckpointError, match=r"damaged or crafted \(\d+ bytes, more than a manifest ever holds"):
+        accelerator.load_state(folder)
