@@ -70,3 +70,12 @@ def test_different_operations_with_equal_shapes_raise():
     rank = _rank()
     t = torch.ones(2)
     _raises_naming(lambda: gather(t) if rank == 0 else reduce(t), "rank 0: `gather`", "rank 1: `reduce(mean)`")
+
+
+@pytest.mark.world_size(2)
+def test_gather_for_metrics_of_a_tensor_on_one_process_and_objects_on_another_raises():
+    accelerator = Accelerator(cpu=True)
+    data = torch.ones(2) if accelerator.process_index == 0 else [0.5, 0.25]
+    _raises_naming(lambda: accelerator.gather_for_metrics(data), "rank 0: `gather` with shape (2,) float32",
+                   "rank 1: `gather_object` with Python objects")
+    assert accelerator.gather_for_metrics([accelerator.process_index]) == [0, 1]  # still in step

@@ -39,6 +39,7 @@ from hasten.checkpointing.naming import (
     is_incomplete,
     iteration_of,
     newest_checkpoint,
+    next_iteration,
     prepare_staging,
     prune,
     publish,
@@ -49,6 +50,7 @@ from hasten.checkpointing.naming import (
 from hasten.checkpointing.rng import derive_rng_state
 from hasten.checkpointing.shards import write_model_files
 from hasten.checkpointing.transaction import Transaction
+from hasten.state_helpers import writes_shared_files
 
 
 class CheckpointMixin(AcceleratorBase):
@@ -60,11 +62,18 @@ class CheckpointMixin(AcceleratorBase):
     def _checkpoint_target(self, output_dir: str | os.PathLike[str] | None) -> Path:
         config = self.project_configuration
         if config.automatic_checkpoint_naming:
+            # Numbering continues after the highest checkpoint present (the main process's view counts).
+            iteration = next_iteration(self.project_dir, config.iteration) if self.is_main_process else 0
+            if self.num_processes > 1:
+                iteration = ops.broadcast_object_list([iteration])[0]
+            config.iteration = iteration
             return checkpoints_root(self.project_dir) / f"checkpoint_{config.iteration}"
         if output_dir is None:
             raise CheckpointError("save_state() needs `output_dir`, or "
                                   "`ProjectConfiguration(automatic_checkpoint_naming=True)` and a project_dir.")
-        return Path(os.path.abspath(Path(output_dir).expanduser()))  # "." and ".." have no name to stage beside
+        target = Path(os.path.abspath(Path(output_dir).expanduser()))  # "." and ".." have no name to stage beside
+        # A symlinked folder (ckpt -> /scratch/...) stays a link: the save is staged and published beside its target.
+        return Path(os.path.realpath(target)) if target.is_symlink() else target
 
     def _start_save(self, target: Path) -> None:
         """Main process: check, prune, create the staging folder; then everyone learns the outcome."""
@@ -125,7 +134,7 @@ class CheckpointMixin(AcceleratorBase):
         self.wait_for_everyone()
         if self.is_main_process and self.project_configuration.automatic_checkpoint_naming:
             run_stage_hooks("published", target)
-            prune(target.parent, self.project_configuration.total_limit)  # only now: never zero checkpoints
+            prune(target.parent, self.project_configuration.total_limit, keep=target)  # only now: never zero checkpoints
         self.project_configuration.iteration += 1
         return target
 
@@ -172,9 +181,7 @@ class CheckpointMixin(AcceleratorBase):
                 ckpt.save_gradient_tensors(grads, path)
 
     def _writes_shared_files(self) -> bool:
-        if self.project_configuration.save_on_each_node:
-            return self.is_local_main_process
-        return self.is_main_process
+        return writes_shared_files(self.project_configuration.save_on_each_node)  # the one rule (state_helpers)
 
     def _write_shared_files(self, folder: Path) -> None:
         """What is not model or optimizer state (the strategy writes those): schedulers, loaders, scaler, objects."""
@@ -251,20 +258,27 @@ class CheckpointMixin(AcceleratorBase):
 
     def _agree(self, read: Any) -> dict[str, Any]:
         """Run the read phase on every process; if any process fails, every process raises its error."""
-        plan, error, message = None, None, None
+        plan, error = None, None
         try:
             plan = read()
         except Exception as exc:  # noqa: BLE001 - shared with the other processes, then raised
             error = exc
-            message = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        self._raise_if_any_failed(error)
+        assert plan is not None
+        return plan
+
+    def _raise_if_any_failed(self, error: BaseException | None) -> None:
+        """Share each process's outcome; if any failed, raise the first failure's message on every process."""
+        message = None
+        if error is not None:
+            message = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+            message = message.removeprefix("load_state: ")
         messages = ops.gather_object([message]) if self.num_processes > 1 else [message]
         failed = [(rank, text) for rank, text in enumerate(messages) if text is not None]
         if failed:
             rank, text = failed[0]
             prefix = "" if self.num_processes == 1 else f"process {rank}: "
             raise CheckpointError(f"load_state: {prefix}{text}") from error
-        assert plan is not None
-        return plan
 
     def _read_checkpoint(self, folder: Path, strict: bool, map_location: Any, verify: bool = True) -> dict[str, Any]:
         plan: dict[str, Any] = {"schedulers": [], "loaders": [], "custom": []}
@@ -296,7 +310,7 @@ class CheckpointMixin(AcceleratorBase):
         if not rng_path.is_file():
             raise CheckpointError(checks.missing_rng_message(folder, rng_path, manifest, self.process_index,
                                                              self.num_processes))
-        plan["rng"] = (rng_path, ckpt.load_registered_state(rng_path))  # Accelerate's files hold NumPy states
+        plan["rng"] = (rng_path, ckpt.load_rng_file(rng_path))  # Accelerate's files hold NumPy states
         if derive:  # a process the saving run did not have (documented rule in derive_rng_state)
             plan["rng"] = (rng_path, derive_rng_state(plan["rng"][1], self.process_index))
         checks.check_rng_state(plan["rng"][1], rng_path)
@@ -311,22 +325,49 @@ class CheckpointMixin(AcceleratorBase):
 
     def _apply_checkpoint(self, plan: dict[str, Any], strict: bool, folder: Path) -> None:
         # Everything was read and checked; apply the small states first, each with an undo, so a
-        # failure (a registered object refusing its state) puts back what was already restored.
-        with Transaction(folder) as tx:
-            if "scaler" in plan:
-                tx.apply("the loss scaler", self._precision, plan["scaler"])
-            for i, (optimizer, state) in enumerate(zip(self._optimizers, plan["strategy"].optimizer_states)):
-                tx.apply(f"optimizer #{i}", optimizer, state)
-            for i, (scheduler, state) in enumerate(zip(self._schedulers, plan["schedulers"])):
-                tx.apply(f"scheduler #{i}", scheduler, state)
-            for i, (loader, state) in enumerate(zip(self._dataloaders, plan["loaders"])):
-                tx.apply(f"data loader #{i}", loader, state)
-            for i, (obj, state) in enumerate(zip(self._custom_objects, plan["custom"])):
-                tx.apply(f"registered object #{i} ({type(obj).__name__})", obj, state)
-            tx.run("the models", lambda: self._load_models(plan, strict, folder))
-        path, rng = plan["rng"]
-        self.step = restore_rng_state(rng, path)
+        # failure (a registered object refusing its state) puts back what was already restored. The
+        # processes agree after the small states (before the models, whose loading may be collective)
+        # and again at the end: a failure on any process is undone and raised on every process.
+        tx = Transaction(folder)
+        self._agreed_step(tx, lambda: self._apply_small_states(tx, plan))
+        self._agreed_step(tx, lambda: self._apply_models_and_generators(tx, plan, strict, folder))
         self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
+
+    def _agreed_step(self, tx: Transaction, action: Any) -> None:
+        error = None
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - shared with the other processes, then raised
+            error = exc
+        try:
+            self._raise_if_any_failed(error)
+        except CheckpointError:
+            tx.undo()
+            raise
+
+    def _apply_small_states(self, tx: Transaction, plan: dict[str, Any]) -> None:
+        if "scaler" in plan:
+            tx.apply("the loss scaler", self._precision, plan["scaler"])
+        for i, (optimizer, state) in enumerate(zip(self._optimizers, plan["strategy"].optimizer_states)):
+            tx.apply(f"optimizer #{i}", optimizer, state)
+        for i, (scheduler, state) in enumerate(zip(self._schedulers, plan["schedulers"])):
+            tx.apply(f"scheduler #{i}", scheduler, state)
+        for i, (loader, state) in enumerate(zip(self._dataloaders, plan["loaders"])):
+            tx.apply(f"data loader #{i}", loader, state)
+        for i, (obj, state) in enumerate(zip(self._custom_objects, plan["custom"])):
+            tx.apply(f"registered object #{i} ({type(obj).__name__})", obj, state)
+
+    def _apply_models_and_generators(self, tx: Transaction, plan: dict[str, Any], strict: bool, folder: Path) -> None:
+        tx.run("the models", lambda: self._load_models(plan, strict, folder))
+        path, rng = plan["rng"]
+        step, generators = self.step, capture_rng_state(self.step)
+
+        def put_back() -> None:
+            restore_rng_state(generators, path)
+            self.step = step
+
+        tx.on_undo(put_back)
+        self.step = restore_rng_state(rng, path)
 
     def _load_models(self, plan: dict[str, Any], strict: bool, folder: Path) -> None:
         """Last, once every small state is in: what the strategy loads itself, then accumulated gradients."""

@@ -10,7 +10,8 @@ from hasten.checkpointing.naming import (
            prune,
 )
 from hasten.checkpointing.rng import CheckpointError, capture_rng_state, restore_rng_state
+from hasten.checkpointing.safe_load import add_safe_types
 from hasten.checkpointing.shards import write_model_files
 
-__all__ = ["SAVE_STAGE_HOOKS", "CheckpointError", "capture_rng_state", "checkpoints_root", "complete_checkpoints",
+__all__ = ["SAVE_STAGE_HOOKS", "CheckpointError", "add_safe_types", "capture_rng_state", "checkpoints_root", "complete_checkpoints",
            "newest_checkpoint", "prune", "restore_rng_state", "write_model_files"]

@@ -187,7 +187,7 @@ def _published(pub: Publication) -> None:
     from hasten.checkpointing.naming import prune, run_stage_hooks
 
     run_stage_hooks("published", pub.target)
-    prune(pub.target.parent, pub.prune_limit)  # only now: never zero checkpoints
+    prune(pub.target.parent, pub.prune_limit, keep=pub.target)  # only now: never zero checkpoints
 
 
 class BackgroundSaver:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hasten.checkpointing.files import torch_load, torch_save
+from hasten.checkpointing.files import load_registered_state, torch_save
 
 
 def _custom_file(path: str | os.PathLike[str], index: int) -> Path:
@@ -21,5 +21,6 @@ def write_custom_state(obj: Any, path: str | os.PathLike[str], index: int = 0) -
 
 
 def load_custom_state(obj: Any, path: str | os.PathLike[str], index: int = 0) -> None:
-    """Load what :func:`save_custom_state` wrote into ``obj`` (``obj.load_state_dict``)."""
-    obj.load_state_dict(torch_load(_custom_file(path, index)))
+    """Load what :func:`save_custom_state` wrote into ``obj`` (``obj.load_state_dict``); the file may hold
+    what a registered object's may (:func:`hasten.checkpointing.add_safe_types`)."""
+    obj.load_state_dict(load_registered_state(_custom_file(path, index)))

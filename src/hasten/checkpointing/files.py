@@ -98,8 +98,14 @@ def torch_load(path: Path, map_location: Any = "cpu") -> Any:
 
 
 def load_registered_state(path: Path) -> Any:
-    """A registered object's state: tensors, builtins, NumPy values, datetime, pathlib, enums, dataclasses."""
-    return safe_load.torch_load(path, path, user_types=True)
+    """A registered object's state: tensors, builtins, NumPy values, datetime, pathlib, and the classes
+    allowed with :func:`hasten.checkpointing.add_safe_types`."""
+    return safe_load.torch_load(path, path, kind="registered")
+
+
+def load_rng_file(path: Path) -> Any:
+    """A ``random_states_{rank}.pkl``: tensors and builtins, or NumPy's state tuple (Accelerate's files)."""
+    return safe_load.torch_load(path, path, kind="rng")
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[Any, Any, tuple[int, ...]]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
+import stat
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +28,11 @@ MANIFEST = "hasten_checkpoint.json"
 STAGING_MARKER = ".hasten_staging"
 FORMAT = "hasten-checkpoint-1"
 _CHUNK = 64 << 20
+#: Bounds on a manifest (a genuine one lists a few thousand files at most): bytes, entries, name depth.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_ENTRIES = 1_000_000
+MAX_NAME_PARTS = 16
+_CRC = re.compile(r"^[0-9a-f]{8}$")
 
 
 def file_checksum(path: Path, sync: bool = False) -> tuple[int, str]:
@@ -65,9 +72,8 @@ def write_manifest(folder: Path, num_processes: int, sealed: dict[str, tuple[int
     while writing them (:mod:`hasten.checkpointing.sealing`); the others (other processes' files,
     DCP's) are read here.
     """
-    (folder / STAGING_MARKER).unlink(missing_ok=True)
     sealed = sealed or {}
-    names = [rel for rel in list_files(folder) if rel != MANIFEST]
+    names = [rel for rel in list_files(folder) if rel not in (MANIFEST, STAGING_MARKER)]
     # A sealed file is reused only while its size still matches what was checksummed.
     todo = [rel for rel in names if rel not in sealed or (folder / rel).stat().st_size != sealed[rel][0]]
     computed = {rel: file_checksum(folder / rel, sync=True) for rel in todo}
@@ -80,22 +86,64 @@ def write_manifest(folder: Path, num_processes: int, sealed: dict[str, tuple[int
     manifest = {"format": FORMAT, "num_processes": int(num_processes), "files": files}
     with atomic_path(folder / MANIFEST) as tmp:
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    # Only now: until the manifest is complete the marker says "hasten's unfinished save", so a kill
+    # at any point leaves a folder the next save recognises as its own (issue 28).
+    (folder / STAGING_MARKER).unlink(missing_ok=True)
+    return manifest
+
+
+def check_entry_name(rel: Any) -> str:
+    """``rel`` if it is a plain relative POSIX name inside the folder (no ``..``, ``.``, absolute path,
+    backslash or NUL; at most :data:`MAX_NAME_PARTS` deep); ValueError otherwise."""
+    if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\x00" in rel or "\\" in rel or rel.startswith("/"):
+        raise ValueError(f"entry {str(rel)[:80]!r} is not a relative file name")
+    parts = rel.split("/")
+    if len(parts) > MAX_NAME_PARTS or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"entry {rel[:80]!r} leaves the folder or is not a plain relative name")
+    return rel
+
+
+def _check_manifest(manifest: Any) -> dict[str, Any]:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"unknown format {manifest.get('format') if isinstance(manifest, dict) else manifest!r:.40}")
+    files, count = manifest.get("files"), manifest.get("num_processes")
+    if not isinstance(files, dict) or len(files) > MAX_ENTRIES:
+        raise ValueError("'files' is not a mapping of at most a million entries")
+    if type(count) is not int or count < 1:
+        raise ValueError(f"num_processes {count!r} is not a positive integer")
+    for rel, entry in files.items():
+        check_entry_name(rel)
+        if rel in (MANIFEST, STAGING_MARKER) or not isinstance(entry, dict) or type(entry.get("size")) is not int \
+                or entry["size"] < 0 or not isinstance(entry.get("crc32"), str) or not _CRC.match(entry["crc32"]):
+            raise ValueError(f"entry {rel[:80]!r} is not a file record")
     return manifest
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
-    """The manifest of ``folder``, or None for a checkpoint written without one (Accelerate, older hasten)."""
+    """The manifest of ``folder``, validated before anything it lists is read or removed; None for a
+    checkpoint written without one (Accelerate, older hasten).
+
+    Raises:
+        CheckpointError: the manifest is damaged, too large or too deeply nested, is not a regular file,
+            or lists a name outside the folder (crafted).
+    """
     path = folder / MANIFEST
-    if not path.is_file():
+    try:
+        info = os.lstat(path)
+    except OSError:
         return None
     try:
-        manifest = json.loads(path.read_text())
-        if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
-            raise ValueError(f"unknown format {manifest.get('format')!r}")
-        return manifest
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("it is not a regular file (hasten never writes links)")
+        if info.st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{info.st_size} bytes, more than a manifest ever holds")
+        return _check_manifest(json.loads(path.read_text()))
+    except RecursionError:
+        raise CheckpointError(f"Checkpoint manifest {path} is damaged or crafted (nested too deeply); the "
+                              "checkpoint cannot be verified and nothing it lists was read or removed.") from None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"Checkpoint manifest {path} is damaged ({exc}); the checkpoint cannot be verified. "
-                              "Load another checkpoint.") from exc
+        raise CheckpointError(f"Checkpoint manifest {path} is damaged or crafted ({exc}); the checkpoint cannot be "
+                              "verified and nothing it lists was read or removed. Load another checkpoint.") from exc
 
 
 def verify_files(folder: Path, manifest: dict[str, Any], names: Iterable[str]) -> None:
@@ -107,6 +155,9 @@ def verify_files(folder: Path, manifest: dict[str, Any], names: Iterable[str]) -
     for rel in names:
         entry = manifest["files"][rel]
         path = folder / rel
+        if _symlink_on_the_way(folder, rel):
+            raise CheckpointError(f"Checkpoint file {path} is reached through a symbolic link, which hasten never "
+                                  "writes: the checkpoint was modified after it was saved. Nothing was loaded.")
         if not path.is_file():
             raise CheckpointError(f"Checkpoint file {path} is missing (the manifest {MANIFEST} lists it): the "
                                   "checkpoint was modified after it was saved. Nothing was loaded.")
@@ -118,31 +169,19 @@ def verify_files(folder: Path, manifest: dict[str, Any], names: Iterable[str]) -
                                   "file or load another checkpoint.")
 
 
+def _symlink_on_the_way(folder: Path, rel: str) -> bool:
+    current = folder
+    for part in rel.split("/"):
+        current = current / part
+        if current.is_symlink():
+            return True
+    return False
+
+
 def my_share(names: list[str], local_rank: int, local_world: int) -> list[str]:
     """The files this process verifies: the node's processes split every file of the folder between them."""
     return names[local_rank::max(local_world, 1)]
 
 
-# ----------------------------------------------------------------------------- ownership
-_LEGACY_NAMES = ("model", "pytorch_model", "optimizer", "scheduler", "dataloader_state", "scaler", "random_states_",
-                 "custom_checkpoint_", "accumulated_gradients", "latest", "zero_to_fp32.py", "zero_to_torch.py",
-                 "sampler", MANIFEST, STAGING_MARKER)
-
-
-def foreign_entries(folder: Path) -> list[str]:
-    """What in ``folder`` hasten did not write (empty list: the folder may be replaced or deleted).
-
-    With a manifest, every file it does not list is foreign. Without one (Accelerate's or an older
-    hasten's checkpoint), top-level names that no checkpoint writer uses are foreign.
-    """
-    if not folder.is_dir():
-        return []
-    manifest = read_manifest(folder) if (folder / MANIFEST).is_file() else None
-    if manifest is not None:
-        listed = set(manifest["files"]) | {MANIFEST, STAGING_MARKER}
-        return [rel for rel in list_files(folder) if rel not in listed]
-    return sorted(entry.name for entry in folder.iterdir() if not entry.name.startswith(_LEGACY_NAMES))
-
-
-__all__ = ["MANIFEST", "STAGING_MARKER", "file_checksum", "foreign_entries", "list_files", "my_share", "read_manifest",
+__all__ = ["MANIFEST", "STAGING_MARKER", "check_entry_name", "file_checksum", "list_files", "my_share", "read_manifest",
            "verify_files", "write_manifest"]

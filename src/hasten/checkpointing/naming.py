@@ -4,9 +4,12 @@ A save is written into ``<folder>.tmp`` and published when every process has fin
 checksummed and fsync'ed, the manifest is written last, and one atomic rename (an exchange, on Linux,
 when an earlier checkpoint has the name) makes it ``<folder>``. A crash at any point leaves either the
 previous checkpoint or the new one under the name, never neither. Nothing hasten did not write is
-deleted or moved: a target holding other files is refused. Automatic names are
-``{project_dir}/checkpoints/checkpoint_{i}``; only complete folders count when choosing the newest or
-pruning the oldest, and pruning happens after the new checkpoint is published.
+deleted or moved (:mod:`hasten.checkpointing.ownership`): a target holding other files is refused.
+Automatic names are ``{project_dir}/checkpoints/checkpoint_{i}``, numbered on after the highest one
+present; only complete folders count when choosing the newest or pruning the oldest, pruning happens
+after the new checkpoint is published and never removes it, and a folder being pruned is first renamed
+to ``checkpoint_{i}.pruning`` (a name no loader counts), so a kill mid-way leaves nothing that looks
+like a checkpoint; the next save finishes the removal.
 """
 
 from __future__ import annotations
@@ -24,22 +27,25 @@ from pathlib import Path
 from hasten.checkpointing.manifest import (
     MANIFEST,
     STAGING_MARKER,
-    foreign_entries,
     read_manifest,
     write_manifest,
 )
+from hasten.checkpointing.ownership import foreign_entries, owned_files, remove_owned
 from hasten.checkpointing.rng import CheckpointError
 from hasten.utils.serialization import fsync_dir
 
 #: Test-only instrumentation: callables run as ``hook(stage, folder)`` at the stages of a save:
 #: "staged" (staging folder created, nothing written), "before_publish" (every file written),
 #: "exchanged" (new checkpoint in place, previous one not yet deleted), "between_renames" (the
-#: fallback path without an atomic exchange), "published" (before pruning).
+#: fallback path without an atomic exchange), "published" (before pruning), "pruning" (a pruned
+#: folder renamed, its files not yet deleted).
 SAVE_STAGE_HOOKS: list[Callable[[str, Path], None]] = []
 
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
+PRUNING_SUFFIX = ".pruning"
 _CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+_PRUNING_RE = re.compile(r"^checkpoint_\d+\.pruning$")
 
 
 def checkpoints_root(project_dir: str | os.PathLike[str] | None) -> Path:
@@ -84,28 +90,69 @@ def run_stage_hooks(stage: str, folder: Path) -> None:
         hook(stage, folder)
 
 
-def prune(root: Path, total_limit: int | None) -> list[Path]:
+def next_iteration(project_dir: str | os.PathLike[str] | None, iteration: int) -> int:
+    """``iteration``, or one past the highest ``checkpoint_{i}`` already present if that is higher.
+
+    A fresh run in a project that holds ``checkpoint_5`` continues at 6, so that its checkpoints are
+    the newest ones (and pruning never takes them for old ones).
+    """
+    found = complete_checkpoints(checkpoints_root(project_dir))
+    return max(iteration, found[-1][0] + 1) if found else iteration
+
+
+def clear_pruning_leftovers(root: Path) -> None:
+    """Finish removing folders a killed prune had renamed to ``checkpoint_{i}.pruning``."""
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if _PRUNING_RE.match(entry.name) and entry.is_dir() and not entry.is_symlink():
+            kept = remove_owned(entry)
+            if kept:
+                warnings.warn(f"total_limit: kept {entry} because it holds files hasten did not write: {kept[:5]}",
+                              stacklevel=3)
+
+
+def prune(root: Path, total_limit: int | None, keep: Path | None = None) -> list[Path]:
     """After a save is published: delete the oldest complete checkpoints beyond ``total_limit``.
 
-    The newest checkpoint is always kept, and a folder holding files hasten did not write is kept
-    (with a warning) rather than deleted.
+    The newest checkpoint and ``keep`` (the one just written) are always kept, and so is a folder
+    holding files hasten did not write, or a symbolic link (with a warning). Each folder is first
+    renamed to ``checkpoint_{i}.pruning`` (atomic: loaders no longer count it), then its files removed.
     """
+    clear_pruning_leftovers(root)
     if total_limit is None:
         return []
-    found = complete_checkpoints(root)
-    excess = min(len(found) - max(total_limit, 1), len(found) - 1)
+    found = [item for item in complete_checkpoints(root) if keep is None or item[1] != keep]
+    newest = len(found) if keep is not None else len(found) - 1  # keep (the new one) counts towards the limit
+    excess = min(len(found) + (keep is not None) - max(total_limit, 1), newest)
     removed = []
     for _, path in found[: max(excess, 0)]:
-        foreign = foreign_entries(path)
+        foreign = [path.name] if path.is_symlink() else _foreign_or_unverifiable(path)
         if foreign:
             warnings.warn(f"total_limit: kept {path} because it holds files hasten did not write: {foreign[:5]}",
                           stacklevel=3)
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        doomed = path.with_name(path.name + PRUNING_SUFFIX)
+        os.replace(path, doomed)
+        fsync_dir(root)
+        run_stage_hooks("pruning", doomed)
+        kept = remove_owned(doomed)
+        if kept:
+            warnings.warn(f"total_limit: kept {doomed} because it holds files hasten did not write: {kept[:5]}",
+                          stacklevel=3)
         removed.append(path)
     if removed:
         fsync_dir(root)
     return removed
+
+
+def _foreign_or_unverifiable(folder: Path) -> list[str]:
+    """:func:`foreign_entries`, with a damaged or crafted manifest counted as foreign (pruning runs on
+    the main process only, after publishing: it must keep such a folder, not raise)."""
+    try:
+        return foreign_entries(folder)
+    except CheckpointError as exc:
+        return [f"{MANIFEST} ({exc})"]
 
 
 def writes_in_place(target: Path) -> bool:
@@ -153,12 +200,17 @@ def prepare_staging(target: Path) -> Path:
     if staging.exists():
         # Ours when it carries the staging marker (a killed save; it may hold half-written temporary
         # files) or holds only checkpoint files (a previous checkpoint swapped out before deletion).
-        marked = staging.is_dir() and (staging / STAGING_MARKER).is_file()
+        marked = staging.is_dir() and not staging.is_symlink() and (staging / STAGING_MARKER).is_file()
         foreign = [] if marked else foreign_entries(staging) if staging.is_dir() else [staging.name]
+        if staging.is_symlink():
+            foreign = [staging.name]
         if foreign:
             raise CheckpointError(f"save_state: {staging} exists and holds files hasten did not write "
                                   f"({foreign[:5]}); hasten stages the save there. Move it away.")
-        shutil.rmtree(staging)
+        if marked:
+            shutil.rmtree(staging)  # our own unfinished save (rmtree never follows a link)
+        elif remove_owned(staging):
+            raise CheckpointError(f"save_state: could not clear {staging}; move it away.")
     staging.mkdir(parents=True)
     (staging / STAGING_MARKER).touch()
     return staging
@@ -201,19 +253,27 @@ def publish(target: Path, num_processes: int, sealed: dict[str, tuple[int, str]]
         if _exchange(staging, target):
             fsync_dir(target.parent)
             run_stage_hooks("exchanged", target)
-            shutil.rmtree(staging, ignore_errors=True)  # the previous checkpoint, now under the staging name
+            _discard(staging)  # the previous checkpoint, now under the staging name
             return
         old = target.with_name(target.name + OLD_SUFFIX)
-        if old.exists():
-            shutil.rmtree(old)
+        if old.exists() and remove_owned(old):
+            raise CheckpointError(f"save_state: {old} holds files hasten did not write; move it away.")
         os.replace(target, old)
         run_stage_hooks("between_renames", target)
         os.replace(staging, target)
         fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
         return
     os.replace(staging, target)
     fsync_dir(target.parent)
+
+
+def _discard(folder: Path) -> None:
+    """Remove a replaced checkpoint (only what hasten wrote; anything else stays, with a warning)."""
+    kept = remove_owned(folder)
+    if kept:
+        warnings.warn(f"save_state: kept {folder} because it holds files hasten did not write: {kept[:5]}",
+                      stacklevel=3)
 
 
 def _publish_in_place(staging: Path, target: Path) -> None:
@@ -221,22 +281,28 @@ def _publish_in_place(staging: Path, target: Path) -> None:
 
     While this runs the folder holds the staging marker, so a crash leaves a folder that loads refuse.
     """
+    previous = owned_files(target)  # validated manifest (or exact legacy names); manifest last
     (target / STAGING_MARKER).touch()
-    previous = read_manifest(target)
-    (target / MANIFEST).unlink(missing_ok=True)
-    for rel in previous["files"] if previous else ():  # the previous save's files (checked to be hasten's)
-        (target / rel).unlink(missing_ok=True)
-    for entry in sorted(staging.iterdir()):
-        if entry.name == MANIFEST:
+    for rel in [MANIFEST] + [r for r in previous if r not in (MANIFEST, STAGING_MARKER)]:
+        (target / rel).unlink(missing_ok=True)  # regular files reached without a link: only hasten's
+    for rel in sorted({p for r in previous for p in _parents(r)}, key=lambda r: r.count("/"), reverse=True):
+        try:
+            os.rmdir(target / rel)
+        except OSError:
             continue
-        destination = target / entry.name
-        if destination.is_dir() and not destination.is_symlink():
-            shutil.rmtree(destination)
-        os.replace(entry, destination)
+    for entry in sorted(staging.iterdir()):
+        if entry.name in (MANIFEST, STAGING_MARKER):
+            continue
+        os.replace(entry, target / entry.name)  # a folder replaces only an empty one (never rmtree here)
     os.replace(staging / MANIFEST, target / MANIFEST)
     staging.rmdir()
     (target / STAGING_MARKER).unlink(missing_ok=True)
     fsync_dir(target)
+
+
+def _parents(rel: str) -> list[str]:
+    parts = rel.split("/")[:-1]
+    return ["/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def recover(target: Path) -> None:

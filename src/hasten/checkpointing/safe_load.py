@@ -4,9 +4,12 @@ Every load path of hasten goes through this module:
 
 * plain pickles (DCP's ``.metadata``) are read by :class:`RestrictedUnpickler`, which resolves only
   the exact classes that format needs (:data:`DCP_METADATA_GLOBALS`);
-* ``torch.save`` files are read by torch's own ``weights_only`` unpickler, extended per format with
-  an allow-list (DeepSpeed's loss scaler and ZeRO enums; NumPy, ``datetime``, ``pathlib``, enums and
-  dataclasses for registered objects);
+* ``torch.save`` files are read by torch's own ``weights_only`` unpickler, extended per file kind with
+  an exact allow-list: NumPy's array and scalar rebuilders for random states (Accelerate pickles
+  NumPy's generator state); NumPy, ``datetime`` and ``pathlib`` plus the types the program registered
+  with :func:`add_safe_types` for registered objects; DeepSpeed's loss scaler and ZeRO enums for its
+  files. No other class of the program is ever resolved, so no constructor, ``__post_init__``,
+  ``_missing_`` or ``__setstate__`` of it runs;
 * files another library must read itself with ``weights_only=False`` (DeepSpeed's engine) are first
   checked by a full ``weights_only`` pass over their pickle (memory-mapped, so tensor data is not read).
 
@@ -16,9 +19,7 @@ refused global; nothing in it is called.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import enum
 import io
 import pathlib
 import pickle
@@ -123,42 +124,61 @@ STANDARD_SAFE_TYPES: tuple[Any, ...] = (
 )
 
 
-def _user_data_class(module: str, name: str) -> Any | None:
-    """An Enum or dataclass type already imported by the program (what a registered object may hold)."""
-    obj = _resolve(module, name)
-    if isinstance(obj, type) and (issubclass(obj, enum.Enum) or dataclasses.is_dataclass(obj)):
-        return obj
-    return None
+#: The user's own classes allowed in registered objects' files (:func:`add_safe_types`).
+_REGISTERED_TYPES: dict[str, type] = {}
 
 
-def _globals_in(source: Path | bytes) -> list[str]:
-    data = io.BytesIO(source) if isinstance(source, bytes) else str(source)
-    return list(torch.serialization.get_unsafe_globals_in_checkpoint(data))
+def add_safe_types(*types: type) -> None:
+    """Allow instances of ``types`` (your own enums, dataclasses...) in registered objects' checkpoint files.
+
+    ``load_state`` never constructs a class it was not told to trust: a file naming any other class is
+    refused before anything in it runs. Registering a class means trusting its constructor and hooks
+    (``__post_init__``, ``_missing_``, ``__setstate__``) with data from the checkpoint, as
+    ``torch.serialization.add_safe_globals`` does for ``torch.load``. Call it before ``load_state``::
+
+        hasten.checkpointing.add_safe_types(TrainPhase, BestScore)
+
+    Raises:
+        TypeError: something other than a class was passed.
+    """
+    for item in types:
+        if not isinstance(item, type):
+            raise TypeError(f"add_safe_types: {item!r} is not a class; pass the classes themselves.")
+        _REGISTERED_TYPES[f"{item.__module__}.{item.__qualname__}"] = item
+
+
+def registered_types() -> list[type]:
+    """The classes allowed by :func:`add_safe_types` so far."""
+    return list(_REGISTERED_TYPES.values())
+
+
+#: What each kind of ``torch.save`` file may name besides torch's own weights-only globals.
+KINDS = ("plain", "rng", "registered")
+
+
+def _allowed_for(kind: str) -> list[Any]:
+    if kind == "plain":
+        return []
+    if kind == "rng":  # Accelerate's random_states_*.pkl hold NumPy's generator state tuple
+        return _numpy_globals()
+    if kind == "registered":
+        return _numpy_globals() + list(STANDARD_SAFE_TYPES) + registered_types()
+    raise ValueError(f"unknown checkpoint file kind {kind!r}; one of {KINDS}")
 
 
 def torch_load(source: Path | bytes, name: Path, *, map_location: Any = "cpu", extra: Iterable[Any] = (),
-               user_types: bool = False, mmap: bool = False) -> Any:
-    """``torch.load(weights_only=True)`` with ``extra`` allowed; ``user_types`` also allows NumPy,
-    ``datetime``, ``pathlib`` and the program's own enums and dataclasses.
+               kind: str = "plain", mmap: bool = False, user_types: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` with the allow-list of ``kind`` (:data:`KINDS`) and ``extra``.
 
-    ``source`` is a path or the file's bytes; ``name`` is the file named in errors.
+    ``source`` is a path or the file's bytes; ``name`` is the file named in errors. ``user_types=True``
+    is the former spelling of ``kind="registered"``.
 
     Raises:
         CheckpointError: the file is missing, damaged, or names a type outside the allow-list.
     """
     if isinstance(source, Path) and not source.is_file():
         raise CheckpointError(f"Checkpoint file {name} is missing.")
-    allowed = list(extra)
-    if user_types:
-        allowed += _numpy_globals() + list(STANDARD_SAFE_TYPES)
-        try:
-            for full in _globals_in(source):
-                module, _, attr = full.rpartition(".")
-                found = _user_data_class(module, attr)
-                if found is not None:
-                    allowed.append(found)
-        except Exception:  # noqa: BLE001 - the load below reports a damaged file with its name
-            pass
+    allowed = list(extra) + _allowed_for("registered" if user_types else kind)
     try:
         with torch.serialization.safe_globals(allowed):
             stream: Any = io.BytesIO(source) if isinstance(source, bytes) else source
@@ -168,8 +188,10 @@ def torch_load(source: Path | bytes, name: Path, *, map_location: Any = "cpu", e
         text = str(exc)
         if "Unsupported global" in text or "not an allowed global" in text or "GLOBAL" in text:
             refused = text.split("Unsupported global:")[-1].split("was not an allowed global")[0].strip()
-            hint = (" Registered objects may hold tensors, builtins, NumPy values, datetime, pathlib, enums and "
-                    "dataclasses; make state_dict() return those.") if user_types else ""
+            refused = refused.split("\n")[0].removeprefix("GLOBAL").strip()
+            hint = (" Registered objects may hold tensors, builtins, NumPy values, datetime and pathlib; to allow "
+                    "a class of your own, trust it explicitly with hasten.checkpointing.add_safe_types(<class>) "
+                    "before load_state.") if kind == "registered" or user_types else ""
             raise CheckpointError(
                 f"Checkpoint file {name} holds a type outside the allow-list for this kind of file "
                 f"({refused[:200]}); it was not loaded and nothing in it ran.{hint}") from None
@@ -238,5 +260,5 @@ def dcp_planner(path: Path) -> Any:
     return SafeLoadPlanner()
 
 
-__all__ = ["DCP_METADATA_GLOBALS", "RestrictedUnpickler", "STANDARD_SAFE_TYPES", "check_deepspeed_files", "check_storage_paths", "dcp_planner",
-           "dcp_reader", "deepspeed_globals", "load_pickle", "torch_load"]
+__all__ = ["DCP_METADATA_GLOBALS", "KINDS", "RestrictedUnpickler", "STANDARD_SAFE_TYPES", "add_safe_types", "check_deepspeed_files", "check_storage_paths", "dcp_planner",
+           "dcp_reader", "deepspeed_globals", "load_pickle", "registered_types", "torch_load"]

@@ -24,6 +24,7 @@ class Transaction:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self._undo: list[tuple[Any, Any]] = []
+        self._undone = False
 
     def __enter__(self) -> Transaction:
         return self
@@ -35,6 +36,21 @@ class Transaction:
         previous = current if isinstance(inner, torch.optim.Optimizer) else _copy_or_same(current)
         self._undo.append((obj, previous))
         self.run(what, lambda: obj.load_state_dict(state))
+
+    def on_undo(self, restore: Callable[[], Any]) -> None:
+        """Run ``restore()`` (besides putting back the applied objects) if the transaction is undone."""
+        self._undo.append((_Callback(restore), None))
+
+    def undo(self) -> None:
+        """Put every applied object back, newest first (once; best effort: the original error matters)."""
+        if self._undone:
+            return
+        self._undone = True
+        for obj, previous in reversed(self._undo):
+            try:
+                obj.load_state_dict(previous)
+            except Exception:  # noqa: BLE001, S112 - best effort; the original error is what matters
+                continue
 
     def run(self, what: str, action: Callable[[], Any]) -> None:
         """Run ``action``; an exception becomes a CheckpointError naming ``what`` and the folder."""
@@ -49,12 +65,18 @@ class Transaction:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
         if exc_type is not None:
-            for obj, previous in reversed(self._undo):
-                try:
-                    obj.load_state_dict(previous)
-                except Exception:  # noqa: BLE001, S112 - best effort; the original error is what matters
-                    continue
+            self.undo()
         return False
+
+
+class _Callback:
+    """An undo step that is a plain callable (``load_state_dict`` calls it, ignoring the argument)."""
+
+    def __init__(self, restore: Callable[[], Any]) -> None:
+        self._restore = restore
+
+    def load_state_dict(self, _state: Any) -> None:
+        self._restore()
 
 
 def _copy_or_same(state: Any) -> Any:

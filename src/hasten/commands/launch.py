@@ -229,6 +229,29 @@ def options_from_args(args: argparse.Namespace) -> Any:
                          collective_timeout=args.collective_timeout, check_network=args.check_network)
 
 
+#: Bounds of the numeric run options, checked before anything leaves the launcher (a value like ``inf``
+#: or ``1e300`` overflows in the workers' timers otherwise). ``(flag, low, high, low_inclusive)``.
+_RANGES = (("max_restarts", 0, 1_000_000, True), ("collective_timeout", 0.0, 30 * 86400.0, False),
+           ("monitor_interval", 0.0, 3600.0, False), ("num_cpu_threads_per_process", 1, 65536, True))
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """ConfigurationError naming the first option outside its range (non-finite numbers included)."""
+    import math
+
+    from hasten.exceptions import ConfigurationError
+
+    for name, low, high, inclusive in _RANGES:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        above_low = value >= low if inclusive else value > low
+        if not (math.isfinite(value) and above_low and value <= high):
+            unit = " of seconds" if isinstance(low, float) else ""
+            bound = f"{'at least' if inclusive else 'above'} {low:g} and at most {high:g}"
+            raise ConfigurationError(f"--{name}={value} must be a number{unit} {bound}.")
+
+
 def launch_command(args: argparse.Namespace) -> int:
     """Run ``hasten launch``; user mistakes print one message and return 2 before anything starts."""
     import os
@@ -242,12 +265,10 @@ def launch_command(args: argparse.Namespace) -> int:
                                      "(only --check_network runs without one).")
         if args.max_restarts is not None and args.max_restarts < 0:
             raise ConfigurationError(f"--max_restarts={args.max_restarts} must be 0 or more.")
+        _check_ranges(args)
         if args.aws_access_key_id or args.aws_secret_access_key:
             raise ConfigurationError("--aws_access_key_id/--aws_secret_access_key are for Amazon SageMaker launches, "
                                      "which hasten does not support. HINT: run `hasten launch` on the instances.")
-        if args.collective_timeout is not None and not args.collective_timeout > 0:
-            raise ConfigurationError(f"--collective_timeout={args.collective_timeout} must be a number of seconds "
-                                     "above 0.")
         requested = getattr(args, "cfg__num_processes", None)
         if requested is not None and requested < 1:
             # -1 means "not set" only in configuration files (Accelerate writes it); typed, it is a mistake.

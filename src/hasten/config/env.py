@@ -167,6 +167,6 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> timedelta | None
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
-    if seconds <= 0:
-        raise ValueError(f"{COLLECTIVE_TIMEOUT_VAR}={raw!r} must be a number of seconds above 0.")
+    if not 0 < seconds <= 30 * 86400:  # nan and inf fail too; timedelta/torch timers overflow beyond
+        raise ValueError(f"{COLLECTIVE_TIMEOUT_VAR}={raw!r} must be a number of seconds above 0 and at most 30 days.")
     return timedelta(seconds=seconds)

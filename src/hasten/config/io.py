@@ -94,6 +94,70 @@ def find_config_file(config_file: str | os.PathLike[str] | None,
     return default if default.is_file() else accelerate_config_file(env)
 
 
+#: Bounds on a configuration file: a genuine one is a few kB, a few levels deep, with few aliases.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
+MAX_CONFIG_NODES = 100_000
+
+
+def _check_yaml_shape(text: str, path: Path) -> None:
+    """Refuse a file too large or nested too deeply, from the parser's events (no recursion, no building)."""
+    import yaml
+
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigurationError(f"{path}: {len(text)} characters, more than a configuration file holds "
+                                 f"(at most {MAX_CONFIG_BYTES}). HINT: regenerate it with `hasten config`.")
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_CONFIG_DEPTH:
+                line = event.start_mark.line + 1 if event.start_mark is not None else "?"
+                raise ConfigurationError(f"{path}, line {line}: nested more than {MAX_CONFIG_DEPTH} levels deep; "
+                                         "no configuration is. HINT: regenerate it with `hasten config`.")
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
+
+
+def _yaml_children(node: Any) -> list[Any]:
+    import yaml
+
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [item for pair in node.value for item in pair]
+    return []
+
+
+def _check_expansion(node: Any, path: Path) -> None:
+    """Refuse aliases that expand into more than :data:`MAX_CONFIG_NODES` values ("billion laughs") or
+    refer to themselves; counted over the composed graph, where an alias is one shared node."""
+    if node is None:
+        return
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(node, False)]
+    while stack:  # iterative post-order: every child's expanded size before its parent's
+        current, children_done = stack.pop()
+        key = id(current)
+        if children_done:
+            open_nodes.discard(key)
+            total = 1 + sum(sizes[id(child)] for child in _yaml_children(current))
+            sizes[key] = min(total, MAX_CONFIG_NODES + 1)
+            continue
+        if key in sizes:
+            continue
+        if key in open_nodes:
+            raise ConfigurationError(f"{path}: an alias refers to the value that contains it; no configuration "
+                                     "does. HINT: regenerate it with `hasten config`.")
+        open_nodes.add(key)
+        stack.append((current, True))
+        stack.extend((child, False) for child in _yaml_children(current) if id(child) not in sizes)
+    if sizes[id(node)] > MAX_CONFIG_NODES:
+        raise ConfigurationError(f"{path}: its aliases expand to more than {MAX_CONFIG_NODES} values; no "
+                                 "configuration is that large. HINT: regenerate it with `hasten config`.")
+
+
 def read_config_dict(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, int]]:
     """Parse a YAML or JSON file into (mapping, line of each top-level key).
 
@@ -108,7 +172,9 @@ def read_config_dict(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict
     except OSError as exc:
         raise ConfigurationError(f"Cannot read the configuration file {path}: {exc.strerror}.") from None
     try:
+        _check_yaml_shape(text, path)
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        _check_expansion(node, path)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

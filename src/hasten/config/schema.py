@@ -106,6 +106,10 @@ def _kind(kind: str, choices: tuple[str, ...] = ()) -> dict[str, Any]:
     return {"kind": kind, "choices": choices}
 
 
+#: Upper bound on processes and machines (torch's ranks are 32-bit; no run comes near this).
+MAX_PROCESSES = 1 << 20
+
+
 @dataclass
 class LaunchConfig:
     """The launch configuration: Accelerate's config file keys, validated.
@@ -234,8 +238,11 @@ class LaunchConfig:
         if self.num_processes is not None and self.num_processes <= 0:
             raise ConfigurationError(f"{source}: num_processes={self.num_processes} must be at least 1. "
                                      "HINT: pass --num_processes N with N >= 1.")
-        if self.num_machines < 1:
-            raise ConfigurationError(f"{source}: num_machines={self.num_machines} must be at least 1.")
+        if self.num_processes is not None and self.num_processes > MAX_PROCESSES:
+            raise ConfigurationError(f"{source}: num_processes={self.num_processes} is more than any run can start "
+                                     f"(at most {MAX_PROCESSES}).")
+        if not 1 <= self.num_machines <= MAX_PROCESSES:
+            raise ConfigurationError(f"{source}: num_machines={self.num_machines} must be in 1..{MAX_PROCESSES}.")
         if not 0 <= self.machine_rank < self.num_machines:
             raise ConfigurationError(
                 f"{source}: machine_rank={self.machine_rank} must be in 0..{self.num_machines - 1} because "

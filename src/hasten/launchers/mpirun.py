@@ -8,9 +8,29 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from hasten.exceptions import LaunchError
+
+
+def mpi_worker_store(env: Mapping[str, str]) -> Any:
+    """Under ``mpirun``, in MPI rank 0: host the process group's store on ``MASTER_ADDR`` only.
+
+    torch's ``init_process_group`` would otherwise open it on every interface; it reuses this one
+    (``multi_tenant``). Returns the store to keep alive, or None (not MPI, one process, another rank, or
+    an address of another machine). Runs before the script, so ``RANK`` is not exported yet.
+    """
+    if "RANK" in env or "TORCHELASTIC_RUN_ID" in env:
+        return None  # torchrun's workers: hasten.launchers.network handles those
+    from hasten.environments import detect_process_info
+    from hasten.launchers.network import bind_worker_store
+
+    environment, info = detect_process_info(env)
+    if environment.name not in ("openmpi", "mpich", "mvapich") or info.world_size < 2 or info.rank != 0:
+        return None
+    return bind_worker_store({**env, "RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
+                              "MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port)})
 
 
 def find_mpirun() -> str:

@@ -13,6 +13,7 @@ Differences from Accelerate, same signatures:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -70,6 +71,9 @@ def _rank_main(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)  # the agent logs the entry point's name and qualname
     def run(*args: Any) -> Any:
         install_unless_real_accelerate()  # libraries the function imports (transformers...) find hasten
+        from hasten.launchers.network import bind_worker_store
+
+        store = bind_worker_store(os.environ)  # noqa: F841 - c10d on one machine: rank 0 hosts on loopback
         result = function(*args)
         _end_process_group()
         return result
@@ -168,6 +172,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
     from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig, elastic_launch
 
     port = _pick_port(use_port, master_addr, num_nodes == 1)
+    local = _local_listening(master_addr, rdzv_backend) if num_nodes == 1 and not rdzv_endpoint else None
     rdzv_conf = dict(rdzv_conf or {})
     if rdzv_backend == "static":
         rdzv_conf["rank"] = node_rank
@@ -175,14 +180,38 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
     launch = ElasticLaunchConfig(min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=num_processes, run_id=rdzv_id,
                           rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, rdzv_configs=rdzv_conf,
                           max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="fork",
-                          log_line_prefix_template=log_line_prefix_template)
+                          log_line_prefix_template=log_line_prefix_template,
+                          local_addr=local["MASTER_ADDR"] if local else None)
     print(f"Launching training on {num_processes} {'GPU' if gpus else 'CPU'} processes.")
-    env = {**launch_config_to_env(config), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
-    with _added_environment(env):
+    env = {**launch_config_to_env(config), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), **(local or {})}
+    with _added_environment(env), contextlib.ExitStack() as stack:
+        if local:
+            from hasten.launchers.network import store_server
+
+            stack.enter_context(store_server(local["MASTER_ADDR"], port))
         try:
             elastic_launch(config=launch, entrypoint=_rank_main(function))(*args)
         except ChildFailedError as exc:
             raise launch_failure(f"notebook_launcher: {_failure_message(exc)}", exc.name, exc.failures) from None
+
+
+def _local_listening(master_addr: str, rdzv_backend: str) -> dict[str, str]:
+    """One machine: the environment that keeps every listener on loopback, as ``hasten launch`` does.
+
+    The launcher hosts the rendezvous store on that address (torch's listens on every interface), gloo
+    gets its interface, and with c10d the workers' store is hosted by rank 0 on that address
+    (:func:`_rank_main`) instead of the agent's extra store server on every interface.
+    """
+    from hasten.launchers.network import bind_address, interface_of
+
+    address = bind_address(master_addr, 1)
+    env = {"MASTER_ADDR": address}
+    interface = interface_of(address)
+    if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = interface
+    if rdzv_backend == "c10d":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
 
 
 @functools.cache

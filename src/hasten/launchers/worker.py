@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     if config is not None:
         pin_local_rank(config, os.environ)  # --enable_cpu_affinity: before the script starts any thread
 
-    store = bind_worker_store(os.environ)  # noqa: F841 - kept alive while the script runs
+    from hasten.launchers.mpirun import mpi_worker_store
+
+    store = bind_worker_store(os.environ) or mpi_worker_store(os.environ)  # noqa: F841 - kept alive while the script runs
     install_unless_real_accelerate()  # a Trainer/TRL/PEFT script runs unchanged without Accelerate installed
     code = run_target(argv[0], argv[1:], as_module)
     run_exit_functions()  # trackers, hasten's teardown, logging.shutdown: everything exit would run

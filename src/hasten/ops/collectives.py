@@ -67,19 +67,20 @@ def _fingerprint_device(data: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def check_same_layout(op: str, data: Any, hint: str = "") -> None:
+def check_same_layout(op: str, data: Any, hint: str = "", desc: Any = None) -> None:
     """Raise on every rank unless all ranks call ``op`` with the same structure, shapes and dtypes.
 
     Costs one all-gather of one int64 per rank (the fingerprint of ``describe(data)`` and ``op``); the
     descriptions themselves travel only when the fingerprints differ. Debug mode compares the same
-    things before every collective, so the check is skipped there.
+    things before every collective, so the check is skipped there. ``desc`` replaces ``describe(data)``
+    where only the kind of call must agree (:func:`gather_object`).
 
     Raises:
         DistributedOperationError: the ranks' inputs differ (every rank raises, with each rank's view).
     """
     if debug_checks_enabled():
         return
-    desc = describe(data)
+    desc = describe(data) if desc is None else desc
     digest = hashlib.blake2b(repr((op, desc)).encode(), digest_size=8).digest()
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
                         device=_fingerprint_device(data))
@@ -97,6 +98,10 @@ def check_same_layout(op: str, data: Any, hint: str = "") -> None:
 
 _GATHER_HINT = ("use `accelerator.pad_across_processes` before `gather` for tensors whose length differs, "
                 "or `gather_object` for Python objects.")
+
+
+_OBJECT_HINT = ("pass the same kind of data on every process: tensors everywhere (gather), or Python objects "
+                "everywhere (gather_object, or gather_for_metrics(..., use_gather_object=True)).")
 
 
 def gather(tensor: Any) -> Any:
@@ -151,6 +156,9 @@ def gather_object(object: Any) -> Any:  # noqa: A002 - Accelerate's parameter na
     with tracked("gather_object"):
         if debug_checks_enabled():
             verify_operation("gather_object", None, same_shapes=False)
+        # A process calling `gather` (tensors) while another gathers objects would otherwise exchange a
+        # fingerprint for an object size and try to allocate exabytes: both raise, naming both calls.
+        check_same_layout("gather_object", None, _OBJECT_HINT, desc="Python objects")
         dist.all_gather_object(parts, object)
     out: list[Any] = []
     for part in parts:
