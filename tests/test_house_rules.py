@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # Lower index = lower layer. A module may import only from its own layer or below, wherever the import
 # statement is (module level or inside a function); only `if TYPE_CHECKING:` blocks are exempt.
 LAYERS = [
-    ["hasten.exceptions", "hasten._lazy", "hasten.utils"],
+    ["hasten.exceptions", "hasten._lazy", "hasten._accelerate_paths", "hasten.utils"],
     ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],
@@ -22,7 +22,7 @@ LAYERS = [
     ["hasten.data", "hasten.optim", "hasten.tracking", "hasten.optimizer", "hasten.scheduler"],
     ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader",
      "hasten.hooks", "hasten.inference"],
-    ["hasten.commands", "hasten.testing", "hasten.test_utils"],
+    ["hasten.commands", "hasten.testing", "hasten.test_utils", "hasten.memory_utils"],
 ]
 # Accelerate-compatible re-export facades resolve their names lazily, from every layer: `hasten`,
 # `hasten.utils`, `hasten.utils.operations`, and the two `accelerate.utils.<module>` paths whose names
@@ -40,6 +40,7 @@ UPWARD_ALLOWED = {
     ("hasten.utils.dataclasses", "hasten.strategies.ddp"),
 }
 ENV_ALLOWED = ("config/env.py", "environments/", "utils/environment.py", "launchers/", "commands/", "testing/",
+               "test_utils/",
                "strategies/deepspeed.py", "utils/deepspeed_runtime.py")
 
 

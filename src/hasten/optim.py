@@ -231,4 +231,43 @@ def _is_plateau(scheduler: Any) -> bool:
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
-__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
+class DeepSpeedOptimizerWrapper(AcceleratedOptimizer):
+    """A DeepSpeed optimizer as Accelerate hands it out: ``step`` and ``zero_grad`` do nothing (the engine
+    does both inside its step, see ``DeepSpeedEngineWrapper``); ``step_was_skipped`` reports the engine's
+    fp16 overflow.
+
+    Args:
+        optimizer: the optimizer the DeepSpeed engine steps.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
+        """Nothing: the engine zeroes the gradients inside its step."""
+
+    def step(self) -> None:  # type: ignore[override]
+        """Nothing: the engine steps the optimizer inside its own step."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the engine's last step overflowed (fp16) and was skipped."""
+        return bool(getattr(self.optimizer, "overflow", False))
+
+
+class DeepSpeedSchedulerWrapper(AcceleratedScheduler):
+    """A scheduler that the DeepSpeed engine steps itself: ``step`` does nothing (Accelerate's name).
+
+    Args:
+        scheduler: the scheduler handed to the engine.
+        optimizers: the optimizers it follows.
+    """
+
+    def __init__(self, scheduler: Any, optimizers: Any) -> None:
+        super().__init__(scheduler, optimizers)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the engine steps the scheduler inside its own step."""
+
+
+__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper"]

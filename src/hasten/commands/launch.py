@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.config.schema import DEEPSPEED_KEYS, FSDP_KEYS
 
 DYNAMO_BACKENDS = ["no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser", "cudagraphs", "ofi",
@@ -273,3 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     """``hasten-launch`` style entry point (the ``launch`` subcommand on its own)."""
     parser = build_launch_parser(argparse.ArgumentParser("hasten launch"))
     return launch_command(parser.parse_args(argv))
+
+
+# Accelerate's other names of this module (its per-platform launchers...) resolve from
+# hasten/_accelerate_paths.py on first use.
+__getattr__ = accelerate_path_getattr(__name__, globals())

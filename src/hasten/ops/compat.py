@@ -20,6 +20,12 @@ from hasten.ops.collectives import is_distributed
 from hasten.ops.debug import debug_checks_enabled, verify_operation as _verify
 from hasten.ops.tree import convert_to_fp32, recursively_apply
 
+#: Accelerate's integer codes of tensor dtypes (its ``gather_tensor_shape`` metadata) and their inverse.
+TENSOR_TYPE_TO_INT: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.uint8: 5, torch.int8: 6,
+    torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10}
+TENSOR_INT_TO_DTYPE: dict[int, torch.dtype] = {code: dtype for dtype, code in TENSOR_TYPE_TO_INT.items()}
+
 
 class CannotPadNestedTensorWarning(UserWarning):
     """``pad_across_processes`` met a nested tensor, which it cannot pad (it is returned unchanged)."""

@@ -75,6 +75,9 @@ _add("hasten.config.plugins.fsdp", "FullyShardedDataParallelPlugin")
 _add("hasten.checkpointing.dcp", "merge_fsdp_weights")
 _add("hasten.config.plugins.deepspeed", "DeepSpeedPlugin")
 _add("hasten.utils.deepspeed", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig")
+_add("hasten.strategies.deepspeed", "DeepSpeedEngineWrapper")
+_add("hasten.optim", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper")
+_add("hasten.config.plugins.deepspeed", "get_active_deepspeed_plugin", "map_pytorch_optim_to_deepspeed")
 _add("hasten.utils.environment", "get_int_from_env", "parse_flag_from_env", "patch_environment", "str_to_bool",
      "check_cuda_fp8_capability", "check_cuda_p2p_ib_support", "clear_environment", "convert_dict_to_env_variables",
      "disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading", "get_cpu_distributed_information",
@@ -181,7 +184,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
     )
     from hasten.checkpointing.dcp import merge_fsdp_weights as merge_fsdp_weights
     from hasten.config.io import write_basic_config as write_basic_config
-    from hasten.config.plugins.deepspeed import DeepSpeedPlugin as DeepSpeedPlugin
+    from hasten.config.plugins.deepspeed import (
+        DeepSpeedPlugin as DeepSpeedPlugin,
+        get_active_deepspeed_plugin as get_active_deepspeed_plugin,
+        map_pytorch_optim_to_deepspeed as map_pytorch_optim_to_deepspeed,
+    )
     from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
     from hasten.exceptions import DistributedOperationException as DistributedOperationException
     from hasten.launchers.compat import PrepareForLaunch as PrepareForLaunch
@@ -224,12 +231,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         send_to_device as send_to_device,
         slice_tensors as slice_tensors,
     )
+    from hasten.optim import (
+        DeepSpeedOptimizerWrapper as DeepSpeedOptimizerWrapper,
+        DeepSpeedSchedulerWrapper as DeepSpeedSchedulerWrapper,
+    )
     from hasten.parallelism_config import (
         ParallelismConfig as ParallelismConfig,
         TorchContextParallelConfig as TorchContextParallelConfig,
         TorchTensorParallelConfig as TorchTensorParallelConfig,
     )
     from hasten.state import wait_for_everyone as wait_for_everyone
+    from hasten.strategies.deepspeed import DeepSpeedEngineWrapper as DeepSpeedEngineWrapper
     from hasten.tracking import (
         filter_trackers as filter_trackers,
         get_available_trackers as get_available_trackers,

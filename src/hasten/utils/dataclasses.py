@@ -8,6 +8,30 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Literal
 
+from hasten._lazy import accelerate_path_getattr
+
+
+class EnumWithContains(enum.EnumMeta):
+    """Enum metaclass whose ``in`` accepts values: ``"fp16" in PrecisionType``."""
+
+    def __contains__(cls, item: object) -> bool:
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class BaseEnum(enum.Enum, metaclass=EnumWithContains):
+    """An enum whose ``str()`` is its value, with ``list()`` of every value as a string."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [str(m) for m in cls]
+
 
 class _StrEnum(str, enum.Enum):
     def __str__(self) -> str:
@@ -65,6 +89,7 @@ class RNGType(_StrEnum):
     MUSA = "musa"
     XPU = "xpu"
     HPU = "hpu"
+    NEURON = "neuron"
     GENERATOR = "generator"
 
 
@@ -103,6 +128,7 @@ class DynamoBackend(_StrEnum):
     IPEX = "IPEX"
     TVM = "TVM"
     HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
 
 
 class DDPCommunicationHookType(_StrEnum):
@@ -344,3 +370,7 @@ class ProfileKwargs(KwargsHandler):
                                       record_shapes=self.record_shapes, profile_memory=self.profile_memory,
                                       with_stack=self.with_stack, with_flops=self.with_flops,
                                       with_modules=self.with_modules)
+
+
+# Names Accelerate shows at this module path but hasten defines elsewhere (hasten/_accelerate_paths.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

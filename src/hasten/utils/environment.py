@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
+
+from hasten._lazy import accelerate_path_getattr
 
 _TRUE = {"1", "true", "yes", "y", "on", "t"}
 _FALSE = {"0", "false", "no", "n", "off", "f", ""}
@@ -180,18 +183,55 @@ def disable_fsdp_ram_efficient_loading() -> None:
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
 
 
-def get_cpu_distributed_information() -> Any:
-    """Rank, world size, local rank and local world size from the MPI/torchrun variables of this process."""
-    from types import SimpleNamespace
+#: Accelerate's switch for looking for torch_xla (hasten has no TPU path; kept for code that reads it).
+USE_TORCH_XLA: bool = bool(str_to_bool(os.environ.get("USE_TORCH_XLA", "true")))
 
+
+@dataclasses.dataclass
+class CPUInformation:
+    """Where this process sits in a CPU run: rank, world size, local rank, local world size."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+
+def get_cpu_distributed_information() -> CPUInformation:
+    """Rank, world size, local rank and local world size from the MPI/torchrun variables of this process."""
     read = lambda keys: int_from_env(keys, 0 if "RANK" in keys[0] else 1, os.environ)  # noqa: E731
-    return SimpleNamespace(
+    return CPUInformation(
         rank=int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0, os.environ),
         world_size=read(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"]),
         local_rank=int_from_env(["LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
                                  "MV2_COMM_WORLD_LOCAL_RANK"], 0, os.environ),
         local_world_size=read(["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
                                "MV2_COMM_WORLD_LOCAL_SIZE"]))
+
+
+def env_var_path_add(env_var_name: str, path_to_add: Any) -> str:
+    """The value of the ``:``-separated path variable ``env_var_name`` with ``path_to_add`` appended (the
+    caller sets it).
+
+    Example:
+        >>> os.environ["PYTHONPATH"] = env_var_path_add("PYTHONPATH", "/opt/lib")
+    """
+    paths = [p for p in os.environ.get(env_var_name, "").split(":") if p]
+    return ":".join([*paths, str(path_to_add)])
+
+
+def get_driver_version() -> str:
+    """The NVIDIA driver version of the first GPU, from ``nvidia-smi``."""
+    import subprocess
+
+    output = subprocess.check_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                     text=True)
+    return output.strip().split(os.linesep)[0]
+
+
+def override_numa_affinity(local_process_index: int, verbose: bool | None = None) -> None:
+    """Pin this process to its GPU's NUMA node now (:func:`set_numa_affinity` recomputes it on every call)."""
+    set_numa_affinity(local_process_index, verbose=verbose)
 
 
 def set_numa_affinity(local_process_index: int, verbose: bool | None = None) -> None:
@@ -249,3 +289,7 @@ def check_cuda_fp8_capability() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+# Names Accelerate shows at this module path but hasten defines elsewhere (hasten/_accelerate_paths.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -22,7 +22,7 @@ for _module, _names in {
     "hasten.ops.tree": "concatenate convert_to_fp32 find_batch_size find_device get_data_structure honor_type "
                        "ignorant_find_batch_size is_namedtuple is_torch_tensor listify recursively_apply "
                        "send_to_device slice_tensors",
-    "hasten.ops.compat": "CannotPadNestedTensorWarning ConvertOutputsToFp32 GatheredParameters TensorInformation "
+    "hasten.ops.compat": "TENSOR_INT_TO_DTYPE TENSOR_TYPE_TO_INT CannotPadNestedTensorWarning ConvertOutputsToFp32 GatheredParameters TensorInformation "
                          "chained_operation convert_outputs_to_fp32 copy_tensor_to_devices gather_tensor_shape "
                          "get_shape initialize_tensors is_tensor_information is_torch_xpu_tensor verify_operation",
 }.items():
@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         reduce as reduce,
     )
     from hasten.ops.compat import (
+        TENSOR_INT_TO_DTYPE as TENSOR_INT_TO_DTYPE,
+        TENSOR_TYPE_TO_INT as TENSOR_TYPE_TO_INT,
         CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,
         ConvertOutputsToFp32 as ConvertOutputsToFp32,
         GatheredParameters as GatheredParameters,

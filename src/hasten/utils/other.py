@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
+
 
 class ThreadLocalSharedDict(threading.local):
     """A dictionary shared by the objects of one thread (Accelerate uses it for per-thread XLA state)."""
@@ -23,9 +25,6 @@ class ThreadLocalSharedDict(threading.local):
         self._storage = value
 
 
-def __getattr__(name: str) -> Any:
-    if name == "wait_for_everyone":
-        from hasten.state import wait_for_everyone
-
-        return wait_for_everyone
-    raise AttributeError(f"module 'hasten.utils.other' has no attribute {name!r}")
+# wait_for_everyone (hasten.state) and the model helpers hasten keeps in utils.modeling resolve on first use
+# from hasten/_accelerate_paths.py.
+__getattr__ = accelerate_path_getattr(__name__, globals())
