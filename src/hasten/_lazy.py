@@ -38,6 +38,8 @@ def accelerate_path_getattr(package: str, namespace: dict[str, Any]) -> Callable
     """
 
     def __getattr__(name: str) -> Any:
+        if name.startswith("__"):  # import machinery probes (__path__, __all__...): never Accelerate names
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
         from hasten._accelerate_paths import PATHS
 
         module = PATHS.get(package, {}).get(name)

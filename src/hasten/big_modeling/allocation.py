@@ -119,9 +119,9 @@ def get_state_dict_from_offload(module: nn.Module, module_name: str, state_dict:
     """Fill ``state_dict``'s entries of ``module`` (named by one of its tensors, ``module_name``) with its
     real weights, loaded onto ``device_to_put_offload`` when the module is offloaded."""
     root = module_name[: module_name.rfind(".")]
-    device = torch.device(device_to_put_offload) if isinstance(device_to_put_offload, int) else device_to_put_offload
-    if not has_offloaded_params(module):
-        device = None
+    device: torch.device | str | None = None
+    if has_offloaded_params(module):
+        device = torch.device(device_to_put_offload) if isinstance(device_to_put_offload, int) else device_to_put_offload
     with align_module_device(module, device):
         for key, value in module.state_dict().items():
             if f"{root}.{key}" in state_dict:
