@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import os
@@ -41,6 +42,7 @@ from hasten.utils.dataclasses import (
     ProjectConfiguration,
 )
 from hasten.utils.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+from hasten.utils.modeling import extract_model_from_parallel
 
 _NOT_GIVEN: Any = object()
 _HANDLER_ATTRIBUTES = {
@@ -209,8 +211,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self._schedulers: list[Any] = []
         self._dataloaders: list[Any] = []
         self._custom_objects: list[Any] = []
-        self._save_model_state_pre_hook: dict[Any, Any] = {}
-        self._load_model_state_pre_hook: dict[Any, Any] = {}
+        # OrderedDicts: torch's RemovableHandle keeps a weak reference to them (a plain dict cannot have one)
+        self._save_model_state_pre_hook: dict[Any, Any] = collections.OrderedDict()
+        self._load_model_state_pre_hook: dict[Any, Any] = collections.OrderedDict()
         self._trigger_flag = False
         self.trackers: list[Any] = []
         self.log_with = filter_trackers(log_with, self.logging_dir)
@@ -407,10 +410,12 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
         """The user's module inside hasten's wrappers (DDP, torch.compile, mixed-precision forward)."""
         compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
-        inner = self._strategy.unwrap(model)
+        # then any DataParallel/DDP the user wrapped themselves (Accelerate unwraps those too)
+        inner = extract_model_from_parallel(self._strategy.unwrap(model), keep_torch_compile=False)
         if not keep_fp32_wrapper:
             detach_autocast_forward(inner)
         if keep_torch_compile and compiled is not None:
+            compiled._orig_mod = inner  # as Accelerate: the compiled wrapper now holds the unwrapped module
             return compiled
         return inner
 

@@ -134,7 +134,7 @@ def build_launch_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     for flag, key, _block, kwargs, text in FLAGS:
         options = dict(kwargs)
         if key is not None:
-            options["dest"] = "cfg__" + key.replace("=", "__")
+            options["dest"] = flag.lstrip("-")  # Accelerate's attribute names (args.debug, args.num_processes)
             if options.get("action") is None and "choices" not in options:
                 options.setdefault("metavar", flag.lstrip("-").upper())
         options.setdefault("default", None)
@@ -166,7 +166,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for flag, key, block, _kwargs, _text in FLAGS:
         if key is None:
             continue
-        value = getattr(args, "cfg__" + key.replace("=", "__"), None)
+        value = getattr(args, flag.lstrip("-"), None)
         if value is None:
             continue
         if "=" in key:
@@ -235,7 +235,7 @@ def launch_command(args: argparse.Namespace) -> int:
         if args.collective_timeout is not None and not args.collective_timeout > 0:
             raise ConfigurationError(f"--collective_timeout={args.collective_timeout} must be a number of seconds "
                                      "above 0.")
-        requested = getattr(args, "cfg__num_processes", None)
+        requested = getattr(args, "num_processes", None)
         if requested is not None and requested < 1:
             # -1 means "not set" only in configuration files (Accelerate writes it); typed, it is a mistake.
             raise ConfigurationError(f"--num_processes={requested} must be at least 1 (the total number of "

@@ -12,6 +12,7 @@ raises :class:`DistributedOperationError` on every rank, naming each rank's shap
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -260,12 +261,15 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
     _check_tensors(tensor, "pad_across_processes")
 
     def _check_dim(t: torch.Tensor) -> torch.Tensor:
+        if t.is_nested:
+            return t
         if not -t.ndim <= dim < max(t.ndim, 1) or t.ndim == 0:
             raise ValueError(f"pad_across_processes(dim={dim}) is out of range for a tensor of shape "
                              f"{tuple(t.shape)}: use a dim in [{-t.ndim}, {t.ndim - 1}]")
         return t
 
     recursively_apply(_check_dim, tensor)
+    recursively_apply(_warn_nested, tensor)
     if not is_distributed():
         return tensor
     with tracked("pad_across_processes", tensor):
@@ -274,8 +278,22 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         return recursively_apply(_pad_one, tensor, dim, pad_index, pad_first)
 
 
+class CannotPadNestedTensorWarning(UserWarning):
+    """``pad_across_processes`` met a nested tensor, which it cannot pad (it is returned unchanged)."""
+
+
+def _warn_nested(t: torch.Tensor) -> torch.Tensor:
+    if t.is_nested:
+        warnings.warn("Cannot pad nested tensors without more information. Leaving unprocessed.",
+                      CannotPadNestedTensorWarning, stacklevel=4)
+    return t
+
+
 def _pad_one(t: torch.Tensor, dim: int, pad_index: int, pad_first: bool) -> torch.Tensor:
-    """Pad one tensor along ``dim`` to the largest size of any rank (one all-gather of the size)."""
+    """Pad one tensor along ``dim`` to the largest size of any rank (one all-gather of the size); a nested
+    tensor is returned as it is (Accelerate's rule, with its warning)."""
+    if t.is_nested:
+        return t
     d = dim % t.ndim
     size = torch.tensor([t.shape[d]], device=t.device, dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(_world())]

@@ -27,10 +27,6 @@ TENSOR_TYPE_TO_INT: dict[torch.dtype, int] = {
 TENSOR_INT_TO_DTYPE: dict[int, torch.dtype] = {code: dtype for dtype, code in TENSOR_TYPE_TO_INT.items()}
 
 
-class CannotPadNestedTensorWarning(UserWarning):
-    """``pad_across_processes`` met a nested tensor, which it cannot pad (it is returned unchanged)."""
-
-
 @dataclass
 class TensorInformation:
     """The shape and dtype of a tensor, to build an empty one of the same kind on another rank."""

@@ -65,7 +65,8 @@ _add("hasten.utils.fsdp2", "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_
      "fsdp2_prepare_model", "fsdp2_switch_optimizer_parameters")
 _add("hasten.utils.serialization", "save", "load")
 _add("hasten.exceptions", "DistributedOperationException")
-_add("hasten.ops.compat", "CannotPadNestedTensorWarning", "GatheredParameters", "TensorInformation",
+_add("hasten.ops.collectives", "CannotPadNestedTensorWarning")
+_add("hasten.ops.compat", "GatheredParameters", "TensorInformation",
      "convert_outputs_to_fp32", "copy_tensor_to_devices", "initialize_tensors", "is_tensor_information")
 _add("hasten.parallelism_config", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig")
 _add("hasten.big_modeling", "align_module_device", "check_tied_parameters_on_same_device", "ensure_weights_retied",
@@ -194,6 +195,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
     from hasten.launchers.compat import PrepareForLaunch as PrepareForLaunch
     from hasten.logging import get_logger as get_logger
     from hasten.ops.collectives import (
+        CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,
         broadcast as broadcast,
         broadcast_object_list as broadcast_object_list,
         gather as gather,
@@ -203,7 +205,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         reduce as reduce,
     )
     from hasten.ops.compat import (
-        CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,
         GatheredParameters as GatheredParameters,
         TensorInformation as TensorInformation,
         convert_outputs_to_fp32 as convert_outputs_to_fp32,

@@ -317,6 +317,13 @@ class TorchDynamoPlugin(KwargsHandler):
     use_regional_compilation: bool | None = None
 
     def __post_init__(self) -> None:
+        # Settings left None come from Accelerate's ACCELERATE_DYNAMO_* variables when they are set.
+        from hasten.utils.environment import accelerate_dynamo_env
+
+        env = accelerate_dynamo_env()
+        for name, value in env.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         if self.backend is None:
             self.backend = DynamoBackend.NO
         name = str(getattr(self.backend, "value", self.backend)).upper()

@@ -137,6 +137,9 @@ def purge_accelerate_environment(func_or_cls: Any) -> Any:
     prefixes = ("ACCELERATE_", "HASTEN_")
 
     def wrap(function: Any) -> Any:
+        if getattr(function, "_accelerate_is_purged_environment_wrapped", False):
+            return function  # stacked decorators, or a parent class already wrapped it
+
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             before = {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
@@ -148,12 +151,27 @@ def purge_accelerate_environment(func_or_cls: Any) -> Any:
                         del os.environ[key]
                 os.environ.update(before)
 
+        wrapper._accelerate_is_purged_environment_wrapped = True  # type: ignore[attr-defined]
         return wrapper
 
+    def wrap_class(cls: Any) -> Any:
+        # every test method, inherited ones included (unittest and pytest-style classes alike)
+        for name in dir(cls):
+            member = getattr(cls, name, None)
+            if name.startswith("test") and callable(member) and not inspect.isclass(member):
+                setattr(cls, name, wrap(member))
+        return cls
+
     if inspect.isclass(func_or_cls):
-        for name, member in list(vars(func_or_cls).items()):
-            if callable(member) and (name.startswith("test") or name in ("setUp", "tearDown")):
-                setattr(func_or_cls, name, wrap(member))
+        wrap_class(func_or_cls)
+        previous = func_or_cls.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls: Any, **kwargs: Any) -> None:  # subclasses' own tests are covered too
+            if previous is not None:
+                previous.__func__(cls, **kwargs)
+            wrap_class(cls)
+
+        func_or_cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[method-assign,assignment]
         return func_or_cls
     return wrap(func_or_cls)
 
@@ -207,6 +225,19 @@ def get_cpu_distributed_information() -> CPUInformation:
                                  "MV2_COMM_WORLD_LOCAL_RANK"], 0, os.environ),
         local_world_size=read(["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
                                "MV2_COMM_WORLD_LOCAL_SIZE"]))
+
+
+def accelerate_dynamo_env() -> dict[str, Any]:
+    """``TorchDynamoPlugin`` settings from Accelerate's ``ACCELERATE_DYNAMO_*`` variables (only those set):
+    backend, mode, fullgraph, use_regional_compilation, dynamic."""
+    names = {"BACKEND": "backend", "MODE": "mode", "USE_FULLGRAPH": "fullgraph",
+             "USE_REGIONAL_COMPILATION": "use_regional_compilation", "USE_DYNAMIC": "dynamic"}
+    found: dict[str, Any] = {}
+    for suffix, field in names.items():
+        raw = os.environ.get(f"ACCELERATE_DYNAMO_{suffix}")
+        if raw is not None:
+            found[field] = raw if field in ("backend", "mode") else bool(str_to_bool(raw))
+    return found
 
 
 def env_var_path_add(env_var_name: str, path_to_add: Any) -> str:

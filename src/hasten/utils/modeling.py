@@ -8,9 +8,9 @@ recognised by their classes' module names, so asking never imports them.
 from __future__ import annotations
 
 import functools
+import logging
 import platform
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -87,8 +87,9 @@ def check_os_kernel() -> None:
     except ValueError:
         return
     if version < (5, 5):
-        warnings.warn(f"Detected kernel version {release}, which is below the recommended minimum of 5.5.0; this "
-                      "can cause the process to hang. It is recommended to upgrade the kernel.", stacklevel=2)
+        logging.getLogger(__name__).warning(  # a log record, as Accelerate's
+            f"Detected kernel version {release}, which is below the recommended minimum of 5.5.0; this can cause "
+            "the process to hang. It is recommended to upgrade the kernel.")
 
 
 def clean_state_dict_for_safetensors(state_dict: dict[str, Any]) -> dict[str, Any]:
