@@ -18,9 +18,6 @@ MEGATRON = ("Megatron-LM", "train large models with FSDP2 "
 TPU = ("TPUs / torch_xla", "hasten runs on CPUs and CUDA GPUs; on TPUs use Accelerate or torch_xla directly")
 SAGEMAKER = ("Amazon SageMaker launching", "start the job with SageMaker's own PyTorch estimator and "
              "`hasten launch` (or torchrun) inside it")
-PIPPY = ("pipeline-parallel inference (PiPPy)", "split inference across processes with "
-         "`PartialState().split_between_processes(...)`, or place one large model with "
-         "`dispatch_model`/`load_checkpoint_and_dispatch(device_map='auto')`")
 BNB = ("bitsandbytes quantization", "quantize with transformers' `BitsAndBytesConfig` "
        "(`from_pretrained(..., quantization_config=...)`) and prepare the quantized model as usual")
 TRANSFORMER_ENGINE = ("NVIDIA Transformer Engine / MS-AMP fp8", "hasten's fp8 path is torchao "
