@@ -21,7 +21,7 @@ def _names(module: str, names: str) -> dict[str, str]:
 PATHS: dict[str, dict[str, str]] = {
     "hasten.checkpointing": {
         **_names("hasten.checkpointing.custom", "save_custom_state load_custom_state"),
-        **_names(_REFUSED, "save_accelerator_state load_accelerator_state"),
+        **_names("hasten.checkpointing.accelerator_state", "save_accelerator_state load_accelerator_state"),
     },
     "hasten.utils.ao": {
         **_names("hasten.utils.fp8", "convert_model_to_fp8_ao filter_first_and_last_linear_layers "
@@ -41,7 +41,6 @@ PATHS: dict[str, dict[str, str]] = {
         "TensorInformation": "hasten.ops.compat",
         **_names("hasten.config.parallelism", "TorchContextParallelConfig TorchTensorParallelConfig"),
         **_names("hasten.utils.unsupported", "BnbQuantizationConfig DeepSpeedSequenceParallelConfig MegatronLMPlugin"),
-        "TorchTensorParallelPlugin": "hasten.utils.unsupported",
         **_names(_REFUSED, "add_model_config_to_megatron_parser MODEL_CONFIGS_TO_MEGATRON_PARSERS parse_bert_config "
                            "parse_glm4_moe_config parse_gpt2_config parse_llama_config parse_t5_config"),
         "get_module_class_from_name": "hasten.utils.modeling",

@@ -147,6 +147,14 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                           stacklevel=2)
         self._check_unsupported(deepspeed_plugin, deepspeed_plugins, fsdp_plugin, torch_tp_plugin,
                                 megatron_lm_plugin, parallelism_config)
+        if torch_tp_plugin is not None:  # Accelerate's mapping onto ParallelismConfig (and its warning)
+            warnings.warn("`TorchTensorParallelPlugin` is deprecated and will be removed in a future version of "
+                          "Accelerate. Please use the `ParallelismConfig` with `tp_size` instead.", FutureWarning,
+                          stacklevel=2)
+            if parallelism_config is None:
+                from hasten.parallelism_config import ParallelismConfig
+
+                parallelism_config = ParallelismConfig(tp_size=torch_tp_plugin.tp_size)
         handlers = _collect_handlers(kwargs_handlers)
         for cls, attribute in _HANDLER_ATTRIBUTES.items():
             setattr(self, attribute, handlers.get(cls))
@@ -191,7 +199,6 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                            megatron_lm_plugin: Any, parallelism_config: Any) -> None:
         if deepspeed_plugin is not None and deepspeed_plugins is not None:
             raise ConfigurationError("deepspeed_plugin and deepspeed_plugins are aliases: pass only one.")
-        _unsupported("torch_tp_plugin", torch_tp_plugin, "tensor parallelism is not available")
         _unsupported("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM is not available")
 
     def _init_attributes(self, device_placement: bool, dataloader_config: DataLoaderConfiguration | None,

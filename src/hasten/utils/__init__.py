@@ -22,7 +22,8 @@ def _add(module: str, *names: str) -> None:
 _add("hasten.utils.dataclasses", "AutocastKwargs", "ComputeEnvironment", "DataLoaderConfiguration",
      "DDPCommunicationHookType", "DistributedDataParallelKwargs", "DistributedType", "DynamoBackend",
      "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs", "KwargsHandler", "LoggerType",
-     "PrecisionType", "ProfileKwargs", "ProjectConfiguration", "RNGType", "TorchDynamoPlugin")
+     "PrecisionType", "ProfileKwargs", "ProjectConfiguration", "RNGType", "TorchDynamoPlugin",
+     "TorchTensorParallelPlugin")
 _add("hasten.utils.imports", *"""
     compare_versions is_4bit_bnb_available is_8bit_bnb_available is_aim_available is_amdsmi_available
     is_bf16_available is_bitsandbytes_multi_backend_available is_bnb_available is_boto3_available
@@ -45,10 +46,10 @@ _add("hasten.utils.constants", *"""
 _add("hasten.utils.unsupported", *"""
     AbstractTrainStep BertTrainStep BnbQuantizationConfig DeepSpeedSequenceParallelConfig GPTTrainStep
     MegatronLMDummyDataLoader MegatronLMDummyScheduler MegatronLMPlugin T5TrainStep
-    TorchTensorParallelPlugin add_model_config_to_megatron_parser apply_fp8_autowrap
+    add_model_config_to_megatron_parser apply_fp8_autowrap
     avg_losses_across_data_parallel_group convert_model install_xla load_and_quantize_model load_fsdp_model
     load_fsdp_optimizer prepare_sagemager_args_inputs prepare_tpu save_fsdp_model save_fsdp_optimizer
-    contextual_fp8_autocast save_accelerator_state load_accelerator_state prepare_deepspeed_cmd_env
+    contextual_fp8_autocast prepare_deepspeed_cmd_env
     prepare_multi_gpu_env prepare_simple_launcher_cmd_env""".split())
 _add("hasten.utils.modeling", *"""
     are_libraries_initialized check_os_kernel check_tied_parameters_in_config clean_state_dict_for_safetensors
@@ -60,6 +61,7 @@ _add("hasten.utils.modeling", *"""
 _add("hasten.utils.fp8", "AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "FP8BackendType",
      "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers")
 _add("hasten.checkpointing.custom", "save_custom_state", "load_custom_state")
+_add("hasten.checkpointing.accelerator_state", "save_accelerator_state", "load_accelerator_state")
 _add("hasten.launchers.compat", "PrepareForLaunch")
 _add("hasten.utils.fsdp2", "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict",
      "fsdp2_prepare_model", "fsdp2_switch_optimizer_parameters")
@@ -179,6 +181,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         save_offload_index as save_offload_index,
         set_module_tensor_to_device as set_module_tensor_to_device,
     )
+    from hasten.checkpointing.accelerator_state import (
+        load_accelerator_state as load_accelerator_state,
+        save_accelerator_state as save_accelerator_state,
+    )
     from hasten.checkpointing.custom import (
         load_custom_state as load_custom_state,
         save_custom_state as save_custom_state,
@@ -287,6 +293,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         ProjectConfiguration as ProjectConfiguration,
         RNGType as RNGType,
         TorchDynamoPlugin as TorchDynamoPlugin,
+        TorchTensorParallelPlugin as TorchTensorParallelPlugin,
     )
     from hasten.utils.deepspeed import (
         DummyOptim as DummyOptim,
@@ -438,14 +445,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         MegatronLMDummyScheduler as MegatronLMDummyScheduler,
         MegatronLMPlugin as MegatronLMPlugin,
         T5TrainStep as T5TrainStep,
-        TorchTensorParallelPlugin as TorchTensorParallelPlugin,
         add_model_config_to_megatron_parser as add_model_config_to_megatron_parser,
         apply_fp8_autowrap as apply_fp8_autowrap,
         avg_losses_across_data_parallel_group as avg_losses_across_data_parallel_group,
         contextual_fp8_autocast as contextual_fp8_autocast,
         convert_model as convert_model,
         install_xla as install_xla,
-        load_accelerator_state as load_accelerator_state,
         load_and_quantize_model as load_and_quantize_model,
         load_fsdp_model as load_fsdp_model,
         load_fsdp_optimizer as load_fsdp_optimizer,
@@ -454,7 +459,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         prepare_sagemager_args_inputs as prepare_sagemager_args_inputs,
         prepare_simple_launcher_cmd_env as prepare_simple_launcher_cmd_env,
         prepare_tpu as prepare_tpu,
-        save_accelerator_state as save_accelerator_state,
         save_fsdp_model as save_fsdp_model,
         save_fsdp_optimizer as save_fsdp_optimizer,
     )

@@ -332,6 +332,20 @@ class TorchDynamoPlugin(KwargsHandler):
         self.backend = DynamoBackend(name)
 
 
+@dataclass
+class TorchTensorParallelPlugin:
+    """Accelerate's older tensor-parallel switch (deprecated there too): ``Accelerator(torch_tp_plugin=
+    TorchTensorParallelPlugin(tp_size=n))`` runs as ``parallelism_config=ParallelismConfig(tp_size=n)``,
+    hasten's N-D tensor-parallel path.
+
+    Example:
+        >>> Accelerator(torch_tp_plugin=TorchTensorParallelPlugin(tp_size=2))  # FutureWarning, as Accelerate's
+    """
+
+    tp_size: int = 1
+    torch_device_mesh: Any = None
+
+
 PROFILE_PATTERN_NAME = "profile_{suffix}.json"
 
 

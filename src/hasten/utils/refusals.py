@@ -24,12 +24,10 @@ TRANSFORMER_ENGINE = ("NVIDIA Transformer Engine / MS-AMP fp8", "hasten's fp8 pa
                       "(`AORecipeKwargs`), on GPUs with compute capability 8.9 or newer")
 FSDP1 = ("FSDP1 (`FullyShardedDataParallel` wrapper) state-dict helpers", "hasten shards with FSDP2: save and "
          "load with `accelerator.save_state`/`load_state` or `accelerator.get_state_dict(model)`")
-ND_PARALLEL = ("DeepSpeed-Ulysses sequence parallelism, the older TP plugin", "split long sequences with "
+ND_PARALLEL = ("DeepSpeed-Ulysses sequence parallelism", "split long sequences with "
                "`ParallelismConfig(cp_size=...)` (CUDA), and tensor-parallelize with `ParallelismConfig(tp_size=..., "
                "tp_handler=TorchTensorParallelConfig(...))` (docs: N-D parallelism)")
 LOMO = ("LOMO optimizers", "use a regular torch optimizer (fused AdamW) or DeepSpeed's ZeRO offload")
-CHECKPOINT_INTERNALS = ("Accelerate's checkpoint-folder internals", "save and load with `accelerator.save_state(...)` "
-                        "/ `accelerator.load_state(...)` (and `save_model` for weights only)")
 ACCELERATE_LAUNCHER = ("Accelerate's launcher internals", "start processes with `hasten launch` (or "
                        "`hasten.launchers.notebook_launcher` in Python)")
 

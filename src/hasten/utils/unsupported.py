@@ -10,7 +10,6 @@ from __future__ import annotations
 from hasten.utils.refusals import (
     ACCELERATE_LAUNCHER,
     BNB,
-    CHECKPOINT_INTERNALS,
     FSDP1,
     MEGATRON,
     ND_PARALLEL,
@@ -47,16 +46,9 @@ save_fsdp_model = refused_function("save_fsdp_model", "fsdp_plugin accelerator m
 load_fsdp_model = refused_function("load_fsdp_model", "fsdp_plugin accelerator model input_dir model_index adapter_only use_dcp", FSDP1)
 save_fsdp_optimizer = refused_function("save_fsdp_optimizer", "fsdp_plugin accelerator optimizer model output_dir optimizer_index use_dcp", FSDP1)
 load_fsdp_optimizer = refused_function("load_fsdp_optimizer", "fsdp_plugin accelerator optimizer model input_dir optimizer_index adapter_only use_dcp", FSDP1)
-TorchTensorParallelPlugin = refused_class("TorchTensorParallelPlugin", "tp_size torch_device_mesh", ND_PARALLEL)
 DeepSpeedSequenceParallelConfig = refused_class("DeepSpeedSequenceParallelConfig", "sp_seq_length sp_seq_length_is_variable sp_attn_implementation", ND_PARALLEL)
 contextual_fp8_autocast = refused_function("contextual_fp8_autocast", "model_forward fp8_recipe use_during_eval",
                                            TRANSFORMER_ENGINE)
-save_accelerator_state = refused_function(
-    "save_accelerator_state", "output_dir model_states optimizers schedulers dataloaders process_index step scaler "
-    "save_on_each_node safe_serialization", CHECKPOINT_INTERNALS)
-load_accelerator_state = refused_function(
-    "load_accelerator_state", "input_dir models optimizers schedulers dataloaders process_index scaler map_location "
-    "load_kwargs load_model_func_kwargs", CHECKPOINT_INTERNALS)
 prepare_deepspeed_cmd_env = refused_function("prepare_deepspeed_cmd_env", "args", ACCELERATE_LAUNCHER)
 prepare_multi_gpu_env = refused_function("prepare_multi_gpu_env", "args", ACCELERATE_LAUNCHER)
 prepare_simple_launcher_cmd_env = refused_function("prepare_simple_launcher_cmd_env", "args", ACCELERATE_LAUNCHER)
