@@ -471,8 +471,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         if not all(isinstance(j, Joinable) for j in joinables):
             # DDP models are Joinable; FSDP2 modules and DeepSpeed engines are not (as in Accelerate, which
             # supports joining for DDP only).
-            warnings.warn("join_uneven_inputs only works with DDP (multi-process replicated training); with this "
-                          "set-up it has no effect.", stacklevel=2)
+            warnings.warn("Joining uneven inputs is only supported for multi-GPU training, as a result "
+                          "`join_uneven_inputs` will have no effect (it needs DDP: multi-process replicated "
+                          "training).", stacklevel=2)
             yield
             return
         saved = []
@@ -483,8 +484,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                     saved.append((sampler, sampler.even_batches))
                     sampler.even_batches = even_batches
                 else:
-                    warnings.warn("Overriding even_batches works only for map-style datasets; some of the prepared "
-                                  "data loaders are iterable, so their batches stay as they are.", stacklevel=2)
+                    warnings.warn("Overriding even_batches is only supported for map-style datasets, yet some "
+                                  "dataloaders given were iterable (their batches stay as they are).", stacklevel=2)
         try:
             with Join(joinables):
                 yield
