@@ -310,7 +310,7 @@ def test_join_uneven_inputs_warns_for_non_joinable_models():
         warnings.simplefilter("always")
         with accelerator.join_uneven_inputs([torch.nn.Linear(2, 2)]):
             pass
-    assert any("only works with DDP" in str(w.message) for w in caught)
+    assert any("only supported for multi-GPU training" in str(w.message) for w in caught)  # Accelerate's wording
 
 
 # -------------------------------------------------------------------------------------------------- fp8
