@@ -17,7 +17,7 @@ from hasten.test_utils import testing
 from hasten.test_utils.examples import compare_against_test, get_function_contents_by_name
 
 
-@pytest.mark.parametrize("script", ["test_ops.py", "test_sync.py"])
+@pytest.mark.parametrize("script", ["test_ops.py", "test_sync.py", "test_distributed_data_loop.py"])
 def test_distributed_script_runs_to_the_end_on_two_processes(tmp_path, script):
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HASTEN_HOME=str(tmp_path / "home"),
                TMPDIR=str(tmp_path))
