@@ -50,7 +50,7 @@ class Net(nn.Module):
 def _converted(model: nn.Module) -> set[str]:
     first, last = find_first_last_linear_layers(model)
     return {name for name, m in model.named_modules() if isinstance(m, nn.Linear)
-            and filter_linear_layers(m, name, first, last)}
+            and filter_linear_layers(m, name, [n for n in (first, last) if n])}
 
 
 # ------------------------------------------------------------------------------------------ the filter

@@ -12,17 +12,19 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # Lower index = lower layer. A module may import only from its own layer or below, wherever the import
 # statement is (module level or inside a function); only `if TYPE_CHECKING:` blocks are exempt.
 LAYERS = [
-    ["hasten.exceptions", "hasten._lazy", "hasten._accelerate_alias", "hasten._private_api", "hasten.utils"],
+    ["hasten.exceptions", "hasten._lazy", "hasten._accelerate_alias", "hasten._accelerate_paths", "hasten._private_api",
+     "hasten.utils"],
     ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],
     ["hasten.strategies"],
     ["hasten.connector"],
     ["hasten.state", "hasten.logging"],
-    ["hasten.data", "hasten.optim", "hasten.tracking", "hasten.optimizer", "hasten.scheduler", "hasten.state_helpers"],
+    ["hasten.data", "hasten.optim", "hasten.tracking", "hasten.optimizer", "hasten.scheduler", "hasten.state_helpers",
+     "hasten.accelerator_state_files"],
     ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader",
      "hasten.hooks", "hasten.inference"],
-    ["hasten.commands", "hasten.testing", "hasten.test_utils"],
+    ["hasten.commands", "hasten.testing", "hasten.test_utils", "hasten.memory_utils"],
 ]
 # Accelerate-compatible re-export facades resolve their names lazily, from every layer: `hasten`,
 # `hasten.utils`, `hasten.utils.operations`, and the two `accelerate.utils.<module>` paths whose names
@@ -33,6 +35,7 @@ FACADES = {"hasten", "hasten.utils", "hasten.utils.operations", "hasten.utils.tq
 # (module, imported) exception with its reason, to be moved down before the next release).
 UPWARD_ALLOWED: set[tuple[str, str]] = set()
 ENV_ALLOWED = ("config/env.py", "environments/", "utils/environment.py", "launchers/", "commands/", "testing/",
+               "test_utils/",
                "strategies/deepspeed.py", "utils/deepspeed_runtime.py")
 
 

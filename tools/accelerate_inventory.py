@@ -4,6 +4,10 @@ Run with an interpreter that has Accelerate installed (a separate venv, so haste
 
     /work/wt/acc-venv/bin/python tools/accelerate_inventory.py [--examples PATH_TO_ACCELERATE_CHECKOUT/examples]
 
+``modules`` lists every importable module of Accelerate with the public names it defines, constants
+and enum members with their values, classes with their public class attributes and dataclass defaults
+(``tests/test_accelerate_modules.py`` checks hasten's same paths against them).
+
 One row per public name: its module (Accelerate's path), name, kind (class, function, constant,
 method, staticmethod, classmethod, property) and parameter names. Methods of Accelerate's own
 classes are rows named ``Class.method``. The ``refused`` and ``note`` fields are maintained by hand
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import enum
 import importlib
 import inspect
@@ -163,6 +168,102 @@ def _example_names(examples: Path, accelerator_members: set[str]) -> dict[tuple[
     return {key: sorted(paths) for key, paths in used.items()}
 
 
+# Module paths not inventoried name by name, and why.
+INTERNAL_MODULES = {
+    "accelerate.commands.menu": "the terminal widgets of Accelerate's questionnaire; hasten's asks through its own",
+    "accelerate.commands.utils": "argparse helpers private to Accelerate's CLI",
+}
+# Packages whose modules are scripts: the package must exist, its scripts are hasten's own (same file names,
+# their helper functions are not API).
+SCRIPT_PACKAGES = ["accelerate.test_utils.scripts"]
+SKIP_NAMES = {"logger"}  # every module's own logging.Logger
+
+
+def _data(value: Any) -> Any:
+    """A constant as JSON data, compared by value; ``None`` when it is not plain data (then only its presence
+    is checked)."""
+    if isinstance(value, enum.Enum):
+        return _data(value.value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_data(v) for v in value]
+        if any(i is None for i in items):
+            return None
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    if isinstance(value, dict):
+        out = {str(_data(k)): _data(v) for k, v in value.items()}
+        return None if any(v is None for v in out.values()) else out
+    if type(value).__name__ in ("dtype", "device"):
+        return str(value)
+    if inspect.isclass(value) or inspect.isfunction(value):
+        return f"<{value.__name__}>"
+    return None
+
+
+def _top_level_assignments(module: types.ModuleType) -> set[str]:
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError):
+        return set()
+    names: set[str] = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) else []
+        for target in targets:
+            names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def _class_entry(cls: type) -> dict[str, Any]:
+    if issubclass(cls, enum.Enum):
+        return {"kind": "enum", "members": {m.name: _data(m.value) for m in cls}}
+    attributes = {}
+    fields = getattr(cls, "__dataclass_fields__", {})
+    for name, raw in vars(cls).items():
+        if name.startswith("_") or name in fields or callable(raw) or isinstance(
+                raw, (property, staticmethod, classmethod)):
+            continue
+        attributes[name] = _data(raw)
+    for name, field in fields.items():
+        if not name.startswith("_") and field.default is not dataclasses.MISSING:
+            attributes[name] = _data(field.default)
+    return {"kind": "class", "attributes": attributes}
+
+
+def module_table() -> dict[str, dict[str, Any]]:
+    """Every importable module of Accelerate -> the public names it defines: functions, classes (enum
+    members, class attributes and dataclass defaults with their values), constants with their values."""
+    import accelerate
+
+    table: dict[str, dict[str, Any]] = {"accelerate": {}}
+    for info in pkgutil.walk_packages(accelerate.__path__, "accelerate.", onerror=lambda name: None):
+        table[info.name] = {}
+    for module_name in sorted(table):
+        if any(module_name == prefix or module_name.startswith(prefix + ".") for prefix in INTERNAL_MODULES):
+            del table[module_name]
+            continue
+        if any(module_name.startswith(prefix + ".") for prefix in SCRIPT_PACKAGES):
+            del table[module_name]
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # a script needing a package absent here: listed, its names not
+            continue
+        assigned = _top_level_assignments(module)
+        names: dict[str, Any] = {}
+        for name in sorted(dir(module)):
+            obj = getattr(module, name)
+            if name.startswith("_") or name in SKIP_NAMES or isinstance(obj, types.ModuleType):
+                continue
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ == module_name:
+                names[name] = _class_entry(obj) if inspect.isclass(obj) else {"kind": "function"}
+            elif name in assigned and not callable(obj):
+                names[name] = {"kind": "constant", "value": _data(obj)}
+        table[module_name] = names
+    return table
+
+
 def build(examples: Path | None) -> list[dict[str, Any]]:
     """Every inventory row, sorted, with hand-kept fields carried over from the committed table."""
     warnings.simplefilter("ignore")
@@ -194,6 +295,8 @@ def build(examples: Path | None) -> list[dict[str, Any]]:
                 row[field] = kept[field]
         if examples is None and "examples" in kept:
             row["examples"] = kept["examples"]
+    for key, row in old.items():  # names of modules that need a package the generating venv lacks
+        unique.setdefault(key, row)
     return [unique[k] for k in sorted(unique)]
 
 
@@ -288,7 +391,8 @@ def main() -> None:
 
     rows = build(args.examples)
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"accelerate_version": accelerate.__version__, "cli_options": cli_options(), "names": rows}
+    payload = {"accelerate_version": accelerate.__version__, "cli_options": cli_options(), "names": rows,
+               "internal_modules": INTERNAL_MODULES, "script_packages": SCRIPT_PACKAGES, "modules": module_table()}
     OUT.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"{len(rows)} rows -> {OUT}")
     write_configs()

@@ -32,3 +32,26 @@ def lazy_getattr(package: str, exports: Mapping[str, str], namespace: dict[str, 
         return value
 
     return __getattr__
+
+
+def accelerate_path_getattr(package: str, namespace: dict[str, Any]) -> Callable[[str], Any]:
+    """A ``__getattr__`` for a hasten module at one of Accelerate's paths: the names that path shows in
+    Accelerate but hasten defines elsewhere resolve from :mod:`hasten._accelerate_paths`, on first use.
+
+    Example:
+        >>> __getattr__ = accelerate_path_getattr(__name__, globals())
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):  # import machinery probes (__path__, __all__...): never Accelerate names
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        from hasten._accelerate_paths import PATHS
+
+        module = PATHS.get(package, {}).get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    return __getattr__

@@ -172,10 +172,8 @@ class AcceleratedScheduler:
         # Read once, on the first step: AcceleratorState's process attributes resolve through a slow
         # __getattr__ chain (~9 us a read), and the count cannot change during a run.
         self._num_processes: int | None = None
-        # Fixed by the objects' types, so decided here rather than on every step: the optimizers whose
-        # step can be skipped (fp16 overflow; a prepared optimizer on the direct path never skips), and
-        # whether the schedule is stepped once (ReduceLROnPlateau, or no step count to multiply).
-        self._skippable = tuple(opt for opt in self.optimizers if not getattr(opt, "_direct", False))
+        # Fixed by the scheduler's type, so decided here rather than on every step: whether the schedule is
+        # stepped once (ReduceLROnPlateau, or no step count to multiply).
         self._step_once = not hasattr(scheduler, "get_last_lr") or _is_plateau(scheduler)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -187,7 +185,7 @@ class AcceleratedScheduler:
             if self.gradient_state.adjust_scheduler:
                 self.scheduler._step_count += 1
             return
-        for opt in self._skippable:
+        for opt in self.optimizers:  # every one: code (and Accelerate's tests) may set `_is_overflow` itself
             if getattr(opt, "step_was_skipped", False):
                 return
         scheduler = self.scheduler
@@ -222,22 +220,50 @@ class AcceleratedScheduler:
         return getattr(self.scheduler, name)
 
 
-class DeepSpeedSchedulerWrapper(AcceleratedScheduler):
-    """Accelerate's wrapper for a scheduler that the DeepSpeed engine steps itself: ``step()`` does nothing.
-
-    Transformers' ``Trainer`` checks ``isinstance(scheduler, DeepSpeedSchedulerWrapper)`` to decide whether
-    DeepSpeed saved the scheduler with its engine.
-
-    Example:
-        >>> wrapped = DeepSpeedSchedulerWrapper(scheduler, optimizer)  # doctest: +SKIP
-    """
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing: the engine steps the schedule in ``accelerator.backward``."""
-
-
 def _is_plateau(scheduler: Any) -> bool:
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
-__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
+class DeepSpeedOptimizerWrapper(AcceleratedOptimizer):
+    """A DeepSpeed optimizer as Accelerate hands it out: ``step`` and ``zero_grad`` do nothing (the engine
+    does both inside its step, see ``DeepSpeedEngineWrapper``); ``step_was_skipped`` reports the engine's
+    fp16 overflow.
+
+    Args:
+        optimizer: the optimizer the DeepSpeed engine steps.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:  # type: ignore[override]
+        """Nothing: the engine zeroes the gradients inside its step."""
+
+    def step(self) -> None:  # type: ignore[override]
+        """Nothing: the engine steps the optimizer inside its own step."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the engine's last step overflowed (fp16) and was skipped."""
+        return bool(getattr(self.optimizer, "overflow", False))
+
+
+class DeepSpeedSchedulerWrapper(AcceleratedScheduler):
+    """A scheduler that the DeepSpeed engine steps itself: ``step`` does nothing (Accelerate's name).
+
+    Transformers' ``Trainer`` checks ``isinstance(scheduler, DeepSpeedSchedulerWrapper)`` to decide whether
+    DeepSpeed saved the scheduler with its engine.
+
+    Args:
+        scheduler: the scheduler handed to the engine.
+        optimizers: the optimizers it follows.
+    """
+
+    def __init__(self, scheduler: Any, optimizers: Any) -> None:
+        super().__init__(scheduler, optimizers)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the engine steps the scheduler inside its own step."""
+
+
+__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper"]

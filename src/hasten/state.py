@@ -224,7 +224,8 @@ class PartialState(_ProcessQueries):
         else:
             rank, world, local_rank = 0, 1, 0
             backend = None
-        device = device_kind.torch_device(local_rank)
+        forced = hasten_env.accelerate_torch_device()  # Accelerate's override, index included ("cpu:64")
+        device = torch.device(forced) if forced else device_kind.torch_device(local_rank)
         device_kind.setup(device)
         self._cpu = cpu
         self.environment = environment

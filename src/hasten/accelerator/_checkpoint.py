@@ -388,7 +388,13 @@ class CheckpointMixin(AcceleratorBase):
         Shards of an earlier save into the same folder are removed. Call it on every process; the
         main process writes.
         """
-        state = self.get_state_dict(model)
+        from hasten.big_modeling.extras import get_state_dict_offloaded_model
+        from hasten.big_modeling.tensors import has_offloaded_params
+
+        if any(has_offloaded_params(module) for module in model.modules()):
+            state = get_state_dict_offloaded_model(model)  # dispatched with offload: weights live in the hooks
+        else:
+            state = self.get_state_dict(model)
         if self._writes_shared_files():
             write_model_files(state, save_directory, max_shard_size=max_shard_size,
                               safe_serialization=safe_serialization)

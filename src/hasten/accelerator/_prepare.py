@@ -36,6 +36,9 @@ class PrepareMixin(AcceleratorBase):
         Example:
             >>> model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
         """
+        # Accelerate reads the shared state first: after ``AcceleratorState._reset_state()`` this raises
+        # its AttributeError naming ``_reset_state`` instead of preparing against a cleared state.
+        _ = self.state.distributed_type
         if device_placement is None:
             device_placement = [None] * len(args)  # type: ignore[list-item]
         elif len(device_placement) != len(args):

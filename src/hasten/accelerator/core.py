@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import os
@@ -41,6 +42,7 @@ from hasten.utils.dataclasses import (
     ProjectConfiguration,
 )
 from hasten.utils.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+from hasten.utils.modeling import extract_model_from_parallel
 
 _NOT_GIVEN: Any = object()
 _HANDLER_ATTRIBUTES = {
@@ -145,6 +147,14 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                           stacklevel=2)
         self._check_unsupported(deepspeed_plugin, deepspeed_plugins, fsdp_plugin, torch_tp_plugin,
                                 megatron_lm_plugin, parallelism_config)
+        if torch_tp_plugin is not None:  # Accelerate's mapping onto ParallelismConfig (and its warning)
+            warnings.warn("`TorchTensorParallelPlugin` is deprecated and will be removed in a future version of "
+                          "Accelerate. Please use the `ParallelismConfig` with `tp_size` instead.", FutureWarning,
+                          stacklevel=2)
+            if parallelism_config is None:
+                from hasten.parallelism_config import ParallelismConfig
+
+                parallelism_config = ParallelismConfig(tp_size=torch_tp_plugin.tp_size)
         handlers = _collect_handlers(kwargs_handlers)
         for cls, attribute in _HANDLER_ATTRIBUTES.items():
             setattr(self, attribute, handlers.get(cls))
@@ -188,7 +198,6 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                            megatron_lm_plugin: Any, parallelism_config: Any) -> None:
         if deepspeed_plugin is not None and deepspeed_plugins is not None:
             raise ConfigurationError("deepspeed_plugin and deepspeed_plugins are aliases: pass only one.")
-        _unsupported("torch_tp_plugin", torch_tp_plugin, "tensor parallelism is not available")
         _unsupported("megatron_lm_plugin", megatron_lm_plugin, "Megatron-LM is not available")
 
     def _init_attributes(self, device_placement: bool, dataloader_config: DataLoaderConfiguration | None,
@@ -208,8 +217,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self._schedulers: list[Any] = []
         self._dataloaders: list[Any] = []
         self._custom_objects: list[Any] = []
-        self._save_model_state_pre_hook: dict[Any, Any] = {}
-        self._load_model_state_pre_hook: dict[Any, Any] = {}
+        # OrderedDicts: torch's RemovableHandle keeps a weak reference to them (a plain dict cannot have one)
+        self._save_model_state_pre_hook: dict[Any, Any] = collections.OrderedDict()
+        self._load_model_state_pre_hook: dict[Any, Any] = collections.OrderedDict()
         self._trigger_flag = False
         self.trackers: list[Any] = []
         self.log_with = filter_trackers(log_with, self.logging_dir)
@@ -398,10 +408,12 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
         """The user's module inside hasten's wrappers (DDP, torch.compile, mixed-precision forward)."""
         compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
-        inner = self._strategy.unwrap(model)
+        # then any DataParallel/DDP the user wrapped themselves (Accelerate unwraps those too)
+        inner = extract_model_from_parallel(self._strategy.unwrap(model), keep_torch_compile=False)
         if not keep_fp32_wrapper:
             detach_autocast_forward(inner)
         if keep_torch_compile and compiled is not None:
+            compiled._orig_mod = inner  # as Accelerate: the compiled wrapper now holds the unwrapped module
             return compiled
         return inner
 
@@ -448,8 +460,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         if not all(isinstance(j, Joinable) for j in joinables):
             # DDP models are Joinable; FSDP2 modules and DeepSpeed engines are not (as in Accelerate, which
             # supports joining for DDP only).
-            warnings.warn("join_uneven_inputs only works with DDP (multi-process replicated training); with this "
-                          "set-up it has no effect.", stacklevel=2)
+            warnings.warn("Joining uneven inputs is only supported for multi-GPU training, as a result "
+                          "`join_uneven_inputs` will have no effect (it needs DDP: multi-process replicated "
+                          "training).", stacklevel=2)
             yield
             return
         saved = []
@@ -460,8 +473,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                     saved.append((sampler, sampler.even_batches))
                     sampler.even_batches = even_batches
                 else:
-                    warnings.warn("Overriding even_batches works only for map-style datasets; some of the prepared "
-                                  "data loaders are iterable, so their batches stay as they are.", stacklevel=2)
+                    warnings.warn("Overriding even_batches is only supported for map-style datasets, yet some "
+                                  "dataloaders given were iterable (their batches stay as they are).", stacklevel=2)
         try:
             with Join(joinables):
                 yield

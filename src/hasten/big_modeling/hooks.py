@@ -295,7 +295,7 @@ class AlignDevicesHook(ModelHook):
                 set_module_tensor_to_device(module, name, "meta")
             if self.execution_device is not None:
                 names = ([n for n, _ in module.named_buffers(recurse=self.place_submodules)] if not self.offload_buffers
-                         else sorted(get_non_persistent_buffers(module, recurse=self.place_submodules)))
+                         else sorted(get_non_persistent_buffers(module, recurse=self.place_submodules, fqns=True)))
                 for name in names:
                     set_module_tensor_to_device(module, name, self.execution_device,
                                                 tied_params_map=self.tied_params_map)

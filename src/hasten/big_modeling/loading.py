@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -329,4 +328,4 @@ def _check_keys(model: nn.Module, report: _LoadReport, tied: list[list[str]], fi
     message = f"Loading {where}: " + "; ".join(problems) + "."
     if strict:
         raise ValueError(message + " HINT: check that the checkpoint was saved from this model class/config.")
-    warnings.warn(message, stacklevel=3)
+    logger.warning(message)  # Accelerate logs mismatched keys (a warning filter cannot silence or raise on it)

@@ -80,19 +80,22 @@ def named_module_tensors(module: nn.Module, include_buffers: bool = True, recurs
     """
     yield from module.named_parameters(recurse=recurse)
     if include_buffers:
-        skip = get_non_persistent_buffers(module, recurse=recurse) if remove_non_persistent else set()
+        skip = get_non_persistent_buffers(module, recurse=recurse, fqns=True) if remove_non_persistent else set()
         for name, buf in module.named_buffers(recurse=recurse):
             if name not in skip:
                 yield name, buf
 
 
-def get_non_persistent_buffers(module: nn.Module, recurse: bool = False) -> set[str]:
-    """Names of the buffers registered with ``persistent=False`` (prefixed when ``recurse``)."""
+def get_non_persistent_buffers(module: nn.Module, recurse: bool = False, fqns: bool = False) -> set[str]:
+    """Names of the buffers registered with ``persistent=False``: the module's own, or with ``recurse``
+    its submodules' too (their bare names, or dotted paths with ``fqns``), as Accelerate returns them."""
     names = set(module._non_persistent_buffers_set)
     if recurse:
         for prefix, sub in module.named_modules():
-            if prefix:
-                names |= {f"{prefix}.{n}" for n in sub._non_persistent_buffers_set}
+            if fqns:
+                names |= {f"{prefix}.{n}" if prefix else n for n in sub._non_persistent_buffers_set}
+            else:
+                names |= sub._non_persistent_buffers_set
     return names
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.checkpointing.naming import (
            SAVE_STAGE_HOOKS,
            checkpoints_root,
@@ -15,3 +16,7 @@ from hasten.checkpointing.shards import write_model_files
 
 __all__ = ["SAVE_STAGE_HOOKS", "CheckpointError", "add_safe_types", "capture_rng_state", "checkpoints_root", "complete_checkpoints",
            "newest_checkpoint", "prune", "restore_rng_state", "write_model_files"]
+
+
+# Names Accelerate shows at this module path but hasten defines elsewhere (hasten/_accelerate_paths.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

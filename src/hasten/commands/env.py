@@ -103,3 +103,9 @@ def env_command(args: argparse.Namespace) -> int:
             print(f"- {key}: {value}")
     sys.stdout.flush()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """This command on its own (Accelerate's ``accelerate.commands.env.main``)."""
+    args = env_command_parser().parse_args(argv)
+    return int(args.func(args) or 0)

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.config.schema import DEEPSPEED_KEYS, FSDP_KEYS
 from hasten.launchers.plan import ELASTIC_RESTARTS
 
@@ -139,7 +140,7 @@ def build_launch_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     for flag, key, _block, kwargs, text in FLAGS:
         options = dict(kwargs)
         if key is not None:
-            options["dest"] = "cfg__" + key.replace("=", "__")
+            options["dest"] = flag.lstrip("-")  # Accelerate's attribute names (args.debug, args.num_processes)
             if options.get("action") is None and "choices" not in options:
                 options.setdefault("metavar", flag.lstrip("-").upper())
         options.setdefault("default", None)
@@ -172,7 +173,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     for flag, key, block, _kwargs, _text in FLAGS:
         if key is None:
             continue
-        value = getattr(args, "cfg__" + key.replace("=", "__"), None)
+        value = getattr(args, flag.lstrip("-"), None)
         if value is None:
             continue
         if "=" in key:
@@ -269,7 +270,7 @@ def launch_command(args: argparse.Namespace) -> int:
         if args.aws_access_key_id or args.aws_secret_access_key:
             raise ConfigurationError("--aws_access_key_id/--aws_secret_access_key are for Amazon SageMaker launches, "
                                      "which hasten does not support. HINT: run `hasten launch` on the instances.")
-        requested = getattr(args, "cfg__num_processes", None)
+        requested = getattr(args, "num_processes", None)
         if requested is not None and requested < 1:
             # -1 means "not set" only in configuration files (Accelerate writes it); typed, it is a mistake.
             raise ConfigurationError(f"--num_processes={requested} must be at least 1 (the total number of "
@@ -314,3 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     """``hasten-launch`` style entry point (the ``launch`` subcommand on its own)."""
     parser = build_launch_parser(argparse.ArgumentParser("hasten launch"))
     return launch_command(parser.parse_args(argv))
+
+
+# Accelerate's other names of this module (its per-platform launchers...) resolve from
+# hasten/_accelerate_paths.py on first use.
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hasten.commands.merge_weights import merge_weights_command, register
+from hasten.commands.merge_weights import description, merge_weights_command, register
 
-__all__ = ["merge_command", "merge_command_parser"]
+__all__ = ["description", "merge_command", "merge_command_parser"]
 
 
 def merge_command(args: argparse.Namespace) -> int:

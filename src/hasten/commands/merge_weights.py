@@ -6,14 +6,16 @@ import argparse
 import sys
 from typing import Any
 
+description = ("Merge the shards of an FSDP2 SHARDED_STATE_DICT checkpoint (a torch.distributed.checkpoint folder such "
+               "as pytorch_model_fsdp_0, or the save_state folder holding it) into OUTPUT_PATH/model.safetensors. "
+               "Runs in one process on the CPU.")
+
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``merge-weights`` subcommand (Accelerate's arguments)."""
     parser = subparsers.add_parser(
         "merge-weights", help="Merge a sharded FSDP checkpoint into model.safetensors.",
-        description="Merge the shards of an FSDP2 SHARDED_STATE_DICT checkpoint (a torch.distributed.checkpoint "
-                    "folder such as pytorch_model_fsdp_0, or the save_state folder holding it) into "
-                    "OUTPUT_PATH/model.safetensors. Runs in one process on the CPU.")
+        description=description)
     parser.add_argument("checkpoint_directory", help="the DCP model folder, or a save_state folder holding one")
     parser.add_argument("output_path", help="folder to write model.safetensors (or pytorch_model.bin) into")
     parser.add_argument("--unsafe_serialization", "--unsafe-serialization", action="store_true",

@@ -1,4 +1,5 @@
-"""``hasten test``: launch the packaged sanity script with the configured processes."""
+"""``hasten test``: launch the packaged check script (``test_utils/scripts/test_script.py``) with the configured
+processes."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from typing import Any
 
 
 def sanity_script() -> Path:
-    """Path of the packaged sanity script (``hasten/testing/scripts/sanity.py``)."""
-    return Path(__file__).resolve().parents[1] / "testing" / "scripts" / "sanity.py"
+    """Path of the packaged check script, ``hasten/test_utils/scripts/test_script.py`` (Accelerate's
+    ``accelerate test`` runs its ``test_script.py`` the same way)."""
+    return Path(__file__).resolve().parents[1] / "test_utils" / "scripts" / "test_script.py"
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,3 +50,9 @@ def test_command(args: argparse.Namespace) -> int:
     if code != 0:
         print(f"hasten test: the checks failed (exit code {code}); see the failing check above.")
     return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """This command on its own (Accelerate's ``accelerate.commands.test.main``)."""
+    args = test_command_parser().parse_args(argv)
+    return int(args.func(args) or 0)

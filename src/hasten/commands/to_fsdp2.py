@@ -3,9 +3,77 @@
 from __future__ import annotations
 
 import argparse
+import enum
+import logging
 import sys
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class ConversionStatus(enum.Enum):
+    """What becomes of an FSDP1 key that has no FSDP2 counterpart (Accelerate's table)."""
+
+    NOT_YET_IMPLEMENTED = 0
+    REMOVED = -1
+
+
+#: Accelerate's FSDP1 -> FSDP2 key table (data; the conversion itself is ``convert_fsdp1_config``).
+ARGUMENT_KEY_MAPPING: dict[str, Any] = {
+    "fsdp_version": "fsdp_version",
+    "fsdp_reshard_after_forward": "fsdp_reshard_after_forward",
+    "fsdp_auto_wrap_policy": "fsdp_auto_wrap_policy",
+    "fsdp_backward_prefetch": ConversionStatus.REMOVED,
+    "fsdp_forward_prefetch": ConversionStatus.NOT_YET_IMPLEMENTED,
+    "fsdp_cpu_ram_efficient_loading": "fsdp_cpu_ram_efficient_loading",
+    "fsdp_offload_params": "fsdp_offload_params",
+    "fsdp_sharding_strategy": "fsdp_reshard_after_forward",
+    "fsdp_state_dict_type": "fsdp_state_dict_type",
+    "fsdp_sync_module_states": ConversionStatus.REMOVED,
+    "fsdp_transformer_layer_cls_to_wrap": "fsdp_transformer_layer_cls_to_wrap",
+    "fsdp_min_num_params": "fsdp_min_num_params",
+    "fsdp_use_orig_params": ConversionStatus.REMOVED,
+    "fsdp_activation_checkpointing": "fsdp_activation_checkpointing",
+}
+_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True, "HYBRID_SHARD_ZERO2": False,
+            "NO_SHARD": False}
+#: Accelerate's value table: sharding strategy -> reshard_after_forward.
+ARGUMENT_VALUE_MAPPING: dict[str, dict[str, bool]] = {"fsdp_sharding_strategy": dict(_RESHARD),
+                                                      "fsdp_reshard_after_forward": dict(_RESHARD)}
+
+
+def load_config(config_file: str) -> dict[str, Any]:
+    """The settings of a YAML (or JSON) configuration file; an empty file raises ``ValueError``."""
+    config = _read(Path(config_file))
+    if not config:
+        raise ValueError("Config file is empty")
+    return config
+
+
+def convert_config_to_fsdp2(config: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite ``config``'s ``fsdp_config`` block for FSDP2, in place, and return ``config``.
+
+    A config without the block, or already at ``fsdp_version: 2``, is returned unchanged (with a log line,
+    as in Accelerate). The conversion is hasten's ``convert_fsdp1_config``.
+
+    Example:
+        >>> convert_config_to_fsdp2({"fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}})["fsdp_config"]
+        {'fsdp_reshard_after_forward': True, 'fsdp_version': 2}
+    """
+    from hasten.config.plugins.fsdp import convert_fsdp1_config
+
+    block = config.get("fsdp_config", {})
+    if not block:
+        logger.info("No FSDP config found in the config file, skipping conversion...")
+        return config
+    if block.get("fsdp_version", 1) == 2:
+        logger.warning("Config already specifies FSDP2, skipping conversion...")
+        return config
+    config["fsdp_config"], notes = convert_fsdp1_config(block)
+    for note in notes:
+        logger.warning(note)
+    return config
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -65,7 +133,7 @@ def to_fsdp2_command(args: argparse.Namespace) -> int:
         print(f"hasten to-fsdp2: {target} exists; pass --overwrite to replace it.", file=sys.stderr)
         return 1
     try:
-        data = _read(source)
+        data = load_config(str(source))
         block, notes = convert_fsdp1_config(data.get("fsdp_config") or {})
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"hasten to-fsdp2: {exc}", file=sys.stderr)

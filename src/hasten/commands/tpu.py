@@ -44,3 +44,9 @@ def tpu_command_launcher(args: argparse.Namespace) -> int:
     """Refuse: print why and what to use instead; exit status 2."""
     print(f"hasten tpu-config: error: {refusal('tpu-config', TPU)}", file=sys.stderr)
     return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """This command on its own (Accelerate's ``accelerate.commands.tpu.main``)."""
+    args = tpu_command_parser().parse_args(argv)
+    return int(args.func(args) or 0)

@@ -42,6 +42,20 @@ def launch_config_dict(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return value
 
 
+def accelerate_torch_device(env: Mapping[str, str] | None = None) -> str | None:
+    """Accelerate's ``ACCELERATE_TORCH_DEVICE`` (a device such as ``"cpu:64"`` that overrides the chosen
+    one), or None when unset."""
+    return _env(env).get("ACCELERATE_TORCH_DEVICE") or None
+
+
+def accelerate_parallelism_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Accelerate's ``PARALLELISM_CONFIG_*`` variables (its launcher's channel for ``ParallelismConfig``), as
+    ``parallelism_config_*`` keys of a launch configuration's ``parallelism_config`` block."""
+    prefix = "PARALLELISM_CONFIG_"
+    return {f"parallelism_config_{key[len(prefix):].lower()}": value for key, value in _env(env).items()
+            if key.startswith(prefix)}
+
+
 def launch_config(env: Mapping[str, str] | None = None) -> LaunchConfig | None:
     """The typed launch configuration passed by ``hasten launch`` (``None`` when not launched by it).
 

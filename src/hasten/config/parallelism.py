@@ -301,10 +301,13 @@ def parallelism_config_from_launch(launch: Mapping[str, Any]) -> ParallelismConf
 
 
 def _launch_block() -> dict[str, Any]:
-    """The launch configuration's parallelism fields (defaults for sizes left ``None``)."""
-    from hasten.config.env import launch_config_dict
+    """The launch configuration's parallelism fields (defaults for sizes left ``None``), over Accelerate's
+    ``PARALLELISM_CONFIG_*`` variables (as Accelerate's ``ParallelismConfig`` reads them)."""
+    from hasten.config.env import accelerate_parallelism_env, launch_config_dict
 
-    return _block_fields(launch_config_dict())
+    fields = _block_fields({"parallelism_config": accelerate_parallelism_env()})
+    fields.update(_block_fields(launch_config_dict()))
+    return fields
 
 
 def _block_fields(launch: Mapping[str, Any]) -> dict[str, Any]:

@@ -531,6 +531,11 @@ class DataLoaderAdapter(_IndexSkipMixin, ResumableMixin, DataLoader):
         self.use_stateful_dataloader = False
         self._init_resume(0, 0)
 
+    @property
+    def base_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
+        """The loader that produces the batches: this one (Accelerate's adapters wrap a separate loader)."""
+        return self
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub names its private iterator
         token, skip = self._start_pass()
         progress = self._progress
@@ -544,7 +549,7 @@ class DataLoaderAdapter(_IndexSkipMixin, ResumableMixin, DataLoader):
         self._finish_pass(token)
 
 
-class SkipDataLoader(DataLoaderAdapter):
+class SkipDataLoader(DataLoaderAdapter, DataLoaderStateMixin):
     """A ``DataLoader`` whose next pass starts ``skip_batches`` batches in; later passes are whole.
 
     (Accelerate's skips on every pass.) Map-style datasets skip indices without loading data; the
@@ -563,6 +568,20 @@ class SkipDataLoader(DataLoaderAdapter):
         super().__init__(dataset, use_stateful_dataloader=use_stateful_dataloader, **kwargs)
         self.skip_batches = skip_batches
         self._init_resume(0, skip_batches)
+        self.gradient_state = GradientState()
+        self._drop_last = bool(self.drop_last)
+
+    @property
+    def total_batch_size(self) -> int:
+        return int(self.batch_size or 1)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        # Accelerate's SkipDataLoader is the active loader of GradientState while it is iterated
+        self.begin()
+        try:
+            yield from super().__iter__()
+        finally:
+            self.end()
 
 
 def get_sampler(dataloader: DataLoader) -> Any:

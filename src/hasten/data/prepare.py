@@ -29,7 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from hasten.data.dispatch import DataLoaderDispatcher
 from hasten.data.iterable import IterableDatasetShard
 from hasten.data.loaders import DataLoaderShard, ResumableMixin, SkipDataLoader, _check_unsupported
-from hasten.data.samplers import BatchSamplerShard, SeedableRandomSampler
+from hasten.data.samplers import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
 from hasten.exceptions import ConfigurationError
 from hasten.ops import broadcast, is_distributed
 from hasten.state import PartialState
@@ -179,6 +179,9 @@ def prepare_data_loader(dataloader: DataLoader, device: torch.device | None = No
     batch_sampler, shuffle_gen = _shuffle_setup(batch_sampler, use_seedable_sampler, data_seed, num_processes,
                                                 agree=not dispatch_batches)
     own_generator = kwargs["generator"] is not None
+    pending = getattr(dataloader, "_pending_skip", 0) if isinstance(dataloader, SkipDataLoader) else 0
+    if pending:  # skip_first_batches(loader) then prepare(): Accelerate keeps the skip, before sharding
+        batch_sampler = SkipBatchSampler(batch_sampler, skip_batches=pending)
     kwargs["generator"] = _loader_generator(kwargs, shuffle_gen)
     if num_processes != 1 and not dispatch_batches:
         batch_sampler = BatchSamplerShard(batch_sampler, num_processes=num_processes, process_index=process_index,

@@ -12,6 +12,7 @@ raises :class:`DistributedOperationError` on every rank, naming each rank's shap
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -266,6 +267,7 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
     ``Trainer.evaluate`` does) is returned unchanged, as Accelerate does.
     """
     _check_tensors(tensor, "pad_across_processes")
+    recursively_apply(_warn_nested, tensor)
     if not is_distributed():
         return tensor
     with tracked("pad_across_processes", tensor):
@@ -274,9 +276,21 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
         return recursively_apply(_pad_one, tensor, dim, pad_index, pad_first)
 
 
+class CannotPadNestedTensorWarning(UserWarning):
+    """``pad_across_processes`` met a nested tensor, which it cannot pad (it is returned unchanged)."""
+
+
+def _warn_nested(t: torch.Tensor) -> torch.Tensor:
+    if t.is_nested:
+        warnings.warn("Cannot pad nested tensors without more information. Leaving unprocessed.",
+                      CannotPadNestedTensorWarning, stacklevel=4)
+    return t
+
+
 def _pad_one(t: torch.Tensor, dim: int, pad_index: int, pad_first: bool) -> torch.Tensor:
-    """Pad one tensor along ``dim`` to the largest size of any rank (one all-gather of the size)."""
-    if not -t.ndim <= dim < t.ndim:  # Accelerate's rule: nothing to pad along a dimension it lacks
+    """Pad one tensor along ``dim`` to the largest size of any rank (one all-gather of the size). A nested
+    tensor, or one without dimension ``dim``, is returned as it is (Accelerate's rules)."""
+    if t.is_nested or not -t.ndim <= dim < t.ndim:
         return t
     d = dim % t.ndim
     size = torch.tensor([t.shape[d]], device=t.device, dtype=torch.int64)

@@ -20,9 +20,11 @@ from hasten.ops.collectives import is_distributed
 from hasten.ops.debug import debug_checks_enabled, verify_operation as _verify
 from hasten.ops.tree import convert_to_fp32, recursively_apply
 
-
-class CannotPadNestedTensorWarning(UserWarning):
-    """``pad_across_processes`` met a nested tensor, which it cannot pad (it is returned unchanged)."""
+#: Accelerate's integer codes of tensor dtypes (its ``gather_tensor_shape`` metadata) and their inverse.
+TENSOR_TYPE_TO_INT: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.uint8: 5, torch.int8: 6,
+    torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10}
+TENSOR_INT_TO_DTYPE: dict[int, torch.dtype] = {code: dtype for dtype, code in TENSOR_TYPE_TO_INT.items()}
 
 
 @dataclass
@@ -64,20 +66,22 @@ def gather_tensor_shape(tensor: torch.Tensor) -> list[int]:
 
 
 def copy_tensor_to_devices(tensor: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy the tensor that only the main process holds to every process (the others pass ``None``)."""
+    """Copy the tensor that one process holds to every process (the others pass ``None``; they need not
+    know its shape). Any one process may hold it: the pipeline's last stage, for example."""
     if not is_distributed():
-        assert tensor is not None, "copy_tensor_to_devices needs the tensor on the main process"
+        assert tensor is not None, "copy_tensor_to_devices needs the tensor on the process that holds it"
         return tensor
-    info: list[Any] = [None]
-    if dist.get_rank() == 0:
-        info = [(tuple(tensor.shape), tensor.dtype, tensor.device)]  # type: ignore[union-attr]
-    dist.broadcast_object_list(info, src=0)
-    shape, dtype, _ = info[0]
-    if dist.get_rank() != 0:
+    metas: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(metas, None if tensor is None else (tuple(tensor.shape), tensor.dtype))
+    holders = [rank for rank, meta in enumerate(metas) if meta is not None]
+    if not holders:
+        raise ValueError("copy_tensor_to_devices: no process passed a tensor.")
+    source = holders[0]
+    shape, dtype = metas[source]
+    if tensor is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         tensor = torch.zeros(shape, dtype=dtype, device=device)
-    assert tensor is not None
-    dist.broadcast(tensor, src=0)
+    dist.broadcast(tensor, src=source)
     return tensor
 
 

@@ -263,10 +263,7 @@ class DeepSpeedStrategy(Strategy):
         if self.engine is None:
             raise ConfigurationError("accelerator.backward needs the prepared DeepSpeed model: call "
                                      "`accelerator.prepare(model, optimizer, loader)` first.")
-        self.engine.set_gradient_accumulation_boundary(is_boundary=sync)
-        self.engine.backward(loss, **kwargs)
-        if sync:
-            self.engine.step()
+        DeepSpeedEngineWrapper(self.engine).backward(loss, sync_gradients=sync, **kwargs)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
         """Nothing to do (the engine stepped in ``backward``); False when that step overflowed (fp16)."""
@@ -467,3 +464,28 @@ def _gather_zero3_state_dict(deepspeed: Any, module: nn.Module) -> dict[str, tor
 
 
 __all__ = ["DeepSpeedStrategy", "import_deepspeed", "set_z3_leaf_modules_by_name", "zero3_init_context"]
+
+
+class DeepSpeedEngineWrapper:
+    """A DeepSpeed engine driven like a plain training loop (Accelerate's name): ``backward`` runs the
+    engine's backward and, at the end of an accumulation cycle, its step (clipping, optimizer step,
+    zero_grad, overflow check, engine-driven scheduler).
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine``.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def backward(self, loss: torch.Tensor, sync_gradients: bool = True, **kwargs: Any) -> None:
+        """Backward through the engine; ``engine.step()`` only when ``sync_gradients``."""
+        self.engine.set_gradient_accumulation_boundary(is_boundary=sync_gradients)
+        self.engine.backward(loss, **kwargs)
+        if sync_gradients:
+            self.engine.step()
+
+    def get_global_grad_norm(self) -> Any:
+        """The engine's last global gradient norm, as a Python number when it is a tensor."""
+        norm = self.engine.get_global_grad_norm()
+        return norm.item() if hasattr(norm, "item") else norm

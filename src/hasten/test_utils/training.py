@@ -11,6 +11,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from hasten.testing.accelerate_compat import RegressionDataset, RegressionModel
+
+__all__ = ["RegressionDataset", "RegressionModel", "mocked_dataloaders", "mocked_dataloaders_for_autoregressive_models"]
+
 _VOCAB = (1000, 2000)  # token ids in an ordinary-word range of BERT-sized vocabularies
 _SEQ_LEN = 32
 

@@ -66,8 +66,11 @@ def register_tracker_class(tracker_class: type[GeneralTracker]) -> type[GeneralT
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{cls.__name__} needs a `name` class attribute (a non-empty string) to be registered")
-    if name == "all" or (name in LOGGER_TYPE_TO_CLASS and LOGGER_TYPE_TO_CLASS[name] is not cls):
-        raise ValueError(f"the tracker name {name!r} is already taken; give {cls.__name__} another `name`")
+    if name == "all":  # log_with="all" means every available tracker: the name cannot be a tracker's
+        raise ValueError(f"the tracker name 'all' is reserved (log_with='all'); give {cls.__name__} another `name`")
+    if name in LOGGER_TYPE_TO_CLASS and LOGGER_TYPE_TO_CLASS[name] is not cls:
+        warnings.warn(f"A tracker with the name '{name}' is already registered and will be overwritten by {cls}. "
+                      "This is especially significant when shadowing a built-in tracker.", stacklevel=2)
     LOGGER_TYPE_TO_CLASS[name] = cls
     return cls
 

@@ -22,7 +22,8 @@ def _add(module: str, *names: str) -> None:
 _add("hasten.utils.dataclasses", "AutocastKwargs", "ComputeEnvironment", "DataLoaderConfiguration",
      "DDPCommunicationHookType", "DistributedDataParallelKwargs", "DistributedType", "DynamoBackend",
      "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs", "KwargsHandler", "LoggerType",
-     "PrecisionType", "ProfileKwargs", "ProjectConfiguration", "RNGType", "TorchDynamoPlugin")
+     "PrecisionType", "ProfileKwargs", "ProjectConfiguration", "RNGType", "TorchDynamoPlugin",
+     "TorchTensorParallelPlugin")
 _add("hasten.utils.imports", *"""
     compare_versions is_4bit_bnb_available is_8bit_bnb_available is_aim_available is_amdsmi_available
     is_bf16_available is_bitsandbytes_multi_backend_available is_bnb_available is_boto3_available
@@ -45,10 +46,10 @@ _add("hasten.utils.constants", *"""
 _add("hasten.utils.unsupported", *"""
     AbstractTrainStep BertTrainStep BnbQuantizationConfig DeepSpeedSequenceParallelConfig GPTTrainStep
     MegatronLMDummyDataLoader MegatronLMDummyScheduler MegatronLMPlugin T5TrainStep
-    TorchTensorParallelPlugin add_model_config_to_megatron_parser apply_fp8_autowrap
+    add_model_config_to_megatron_parser apply_fp8_autowrap
     avg_losses_across_data_parallel_group convert_model install_xla load_and_quantize_model
     prepare_sagemager_args_inputs prepare_tpu
-    contextual_fp8_autocast save_accelerator_state load_accelerator_state prepare_deepspeed_cmd_env
+    contextual_fp8_autocast prepare_deepspeed_cmd_env
     prepare_multi_gpu_env prepare_simple_launcher_cmd_env""".split())
 _add("hasten.utils.modeling", *"""
     are_libraries_initialized check_os_kernel check_tied_parameters_in_config clean_state_dict_for_safetensors
@@ -61,12 +62,14 @@ _add("hasten.utils.fp8", "AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs
      "convert_model_to_fp8_ao", "filter_first_and_last_linear_layers")
 _add("hasten.checkpointing.custom", "load_custom_state")
 _add("hasten.state_helpers", "deepspeed_required", "get_mixed_precision_context_manager", "save", "save_custom_state")
+_add("hasten.accelerator_state_files", "save_accelerator_state", "load_accelerator_state")
 _add("hasten.launchers.compat", "PrepareForLaunch")
 _add("hasten.utils.fsdp2", "fsdp2_apply_ac", "fsdp2_canonicalize_names", "fsdp2_load_full_state_dict",
      "fsdp2_prepare_model", "fsdp2_switch_optimizer_parameters")
 _add("hasten.utils.serialization", "load")
 _add("hasten.exceptions", "DistributedOperationException")
-_add("hasten.ops.compat", "CannotPadNestedTensorWarning", "GatheredParameters", "TensorInformation",
+_add("hasten.ops.collectives", "CannotPadNestedTensorWarning")
+_add("hasten.ops.compat", "GatheredParameters", "TensorInformation",
      "convert_outputs_to_fp32", "copy_tensor_to_devices", "initialize_tensors", "is_tensor_information")
 _add("hasten.parallelism_config", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig")
 _add("hasten.big_modeling", "align_module_device", "check_tied_parameters_on_same_device", "ensure_weights_retied",
@@ -75,9 +78,11 @@ _add("hasten.utils.sizes", "convert_file_size_to_int")
 _add("hasten.config.plugins.fsdp", "FullyShardedDataParallelPlugin")
 _add("hasten.checkpointing.dcp", "merge_fsdp_weights")
 _add("hasten.checkpointing.fsdp_files", "load_fsdp_model", "load_fsdp_optimizer", "save_fsdp_model", "save_fsdp_optimizer")
-_add("hasten.optim", "DeepSpeedSchedulerWrapper")
 _add("hasten.config.plugins.deepspeed", "DeepSpeedPlugin")
 _add("hasten.utils.deepspeed", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig")
+_add("hasten.strategies.deepspeed", "DeepSpeedEngineWrapper")
+_add("hasten.optim", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper")
+_add("hasten.config.plugins.deepspeed", "get_active_deepspeed_plugin", "map_pytorch_optim_to_deepspeed")
 _add("hasten.utils.environment", "get_int_from_env", "parse_flag_from_env", "patch_environment", "str_to_bool",
      "check_cuda_fp8_capability", "check_cuda_p2p_ib_support", "clear_environment", "convert_dict_to_env_variables",
      "disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading", "get_cpu_distributed_information",
@@ -136,6 +141,10 @@ _add("hasten.big_modeling",
 )
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names resolve on first use
+    from hasten.accelerator_state_files import (
+        load_accelerator_state as load_accelerator_state,
+        save_accelerator_state as save_accelerator_state,
+    )
     from hasten.big_modeling import (
         AlignDevicesHook as AlignDevicesHook,
         CpuOffload as CpuOffload,
@@ -187,12 +196,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         save_fsdp_optimizer as save_fsdp_optimizer,
     )
     from hasten.config.io import write_basic_config as write_basic_config
-    from hasten.config.plugins.deepspeed import DeepSpeedPlugin as DeepSpeedPlugin
+    from hasten.config.plugins.deepspeed import (
+        DeepSpeedPlugin as DeepSpeedPlugin,
+        get_active_deepspeed_plugin as get_active_deepspeed_plugin,
+        map_pytorch_optim_to_deepspeed as map_pytorch_optim_to_deepspeed,
+    )
     from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
     from hasten.exceptions import DistributedOperationException as DistributedOperationException
     from hasten.launchers.compat import PrepareForLaunch as PrepareForLaunch
     from hasten.logging import get_logger as get_logger
     from hasten.ops.collectives import (
+        CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,
         broadcast as broadcast,
         broadcast_object_list as broadcast_object_list,
         gather as gather,
@@ -202,7 +216,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         reduce as reduce,
     )
     from hasten.ops.compat import (
-        CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,
         GatheredParameters as GatheredParameters,
         TensorInformation as TensorInformation,
         convert_outputs_to_fp32 as convert_outputs_to_fp32,
@@ -230,7 +243,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         send_to_device as send_to_device,
         slice_tensors as slice_tensors,
     )
-    from hasten.optim import DeepSpeedSchedulerWrapper as DeepSpeedSchedulerWrapper
+    from hasten.optim import (
+        DeepSpeedOptimizerWrapper as DeepSpeedOptimizerWrapper,
+        DeepSpeedSchedulerWrapper as DeepSpeedSchedulerWrapper,
+    )
     from hasten.parallelism_config import (
         ParallelismConfig as ParallelismConfig,
         TorchContextParallelConfig as TorchContextParallelConfig,
@@ -243,6 +259,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         save as save,
         save_custom_state as save_custom_state,
     )
+    from hasten.strategies.deepspeed import DeepSpeedEngineWrapper as DeepSpeedEngineWrapper
     from hasten.tracking import (
         filter_trackers as filter_trackers,
         get_available_trackers as get_available_trackers,
@@ -287,6 +304,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         ProjectConfiguration as ProjectConfiguration,
         RNGType as RNGType,
         TorchDynamoPlugin as TorchDynamoPlugin,
+        TorchTensorParallelPlugin as TorchTensorParallelPlugin,
     )
     from hasten.utils.deepspeed import (
         DummyOptim as DummyOptim,
@@ -435,21 +453,18 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         MegatronLMDummyScheduler as MegatronLMDummyScheduler,
         MegatronLMPlugin as MegatronLMPlugin,
         T5TrainStep as T5TrainStep,
-        TorchTensorParallelPlugin as TorchTensorParallelPlugin,
         add_model_config_to_megatron_parser as add_model_config_to_megatron_parser,
         apply_fp8_autowrap as apply_fp8_autowrap,
         avg_losses_across_data_parallel_group as avg_losses_across_data_parallel_group,
         contextual_fp8_autocast as contextual_fp8_autocast,
         convert_model as convert_model,
         install_xla as install_xla,
-        load_accelerator_state as load_accelerator_state,
         load_and_quantize_model as load_and_quantize_model,
         prepare_deepspeed_cmd_env as prepare_deepspeed_cmd_env,
         prepare_multi_gpu_env as prepare_multi_gpu_env,
         prepare_sagemager_args_inputs as prepare_sagemager_args_inputs,
         prepare_simple_launcher_cmd_env as prepare_simple_launcher_cmd_env,
         prepare_tpu as prepare_tpu,
-        save_accelerator_state as save_accelerator_state,
     )
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -8,6 +8,30 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Literal
 
+from hasten._lazy import accelerate_path_getattr
+
+
+class EnumWithContains(enum.EnumMeta):
+    """Enum metaclass whose ``in`` accepts values: ``"fp16" in PrecisionType``."""
+
+    def __contains__(cls, item: object) -> bool:
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class BaseEnum(enum.Enum, metaclass=EnumWithContains):
+    """An enum whose ``str()`` is its value, with ``list()`` of every value as a string."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def list(cls) -> list[str]:
+        return [str(m) for m in cls]
+
 
 class _StrEnum(str, enum.Enum):
     def __str__(self) -> str:
@@ -65,6 +89,7 @@ class RNGType(_StrEnum):
     MUSA = "musa"
     XPU = "xpu"
     HPU = "hpu"
+    NEURON = "neuron"
     GENERATOR = "generator"
 
 
@@ -103,6 +128,7 @@ class DynamoBackend(_StrEnum):
     IPEX = "IPEX"
     TVM = "TVM"
     HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
 
 
 class DDPCommunicationHookType(_StrEnum):
@@ -292,12 +318,33 @@ class TorchDynamoPlugin(KwargsHandler):
     use_regional_compilation: bool | None = None
 
     def __post_init__(self) -> None:
+        # Settings left None come from Accelerate's ACCELERATE_DYNAMO_* variables when they are set.
+        from hasten.utils.environment import accelerate_dynamo_env
+
+        env = accelerate_dynamo_env()
+        for name, value in env.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         if self.backend is None:
             self.backend = DynamoBackend.NO
         name = str(getattr(self.backend, "value", self.backend)).upper()
         if name not in DynamoBackend.list():
             raise ValueError(f"TorchDynamoPlugin(backend={self.backend!r}): choose one of {DynamoBackend.list()}")
         self.backend = DynamoBackend(name)
+
+
+@dataclass
+class TorchTensorParallelPlugin:
+    """Accelerate's older tensor-parallel switch (deprecated there too): ``Accelerator(torch_tp_plugin=
+    TorchTensorParallelPlugin(tp_size=n))`` runs as ``parallelism_config=ParallelismConfig(tp_size=n)``,
+    hasten's N-D tensor-parallel path.
+
+    Example:
+        >>> Accelerator(torch_tp_plugin=TorchTensorParallelPlugin(tp_size=2))  # FutureWarning, as Accelerate's
+    """
+
+    tp_size: int = 1
+    torch_device_mesh: Any = None
 
 
 PROFILE_PATTERN_NAME = "profile_{suffix}.json"
@@ -347,18 +394,5 @@ class ProfileKwargs(KwargsHandler):
                                       with_modules=self.with_modules)
 
 
-# --- issue 23 (hfstack): Accelerate's helper that PEFT imports from this path --------------------------------
-def get_module_class_from_name(module: Any, name: str) -> Any:
-    """The class named ``name`` among ``module`` and its submodules (depth first), or ``None``.
-
-    Example:
-        >>> get_module_class_from_name(torch.nn.Sequential(torch.nn.Linear(1, 1)), "Linear")
-        <class 'torch.nn.modules.linear.Linear'>
-    """
-    if type(module).__name__ == name:
-        return type(module)
-    for child in module.children():
-        found = get_module_class_from_name(child, name)
-        if found is not None:
-            return found
-    return None
+# Names Accelerate shows at this module path but hasten defines elsewhere (hasten/_accelerate_paths.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

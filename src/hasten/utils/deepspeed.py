@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.exceptions import ConfigurationError
 
 
@@ -134,6 +135,21 @@ class HfDeepSpeedConfig:
                 return None, key
         return (node if isinstance(node, dict) else None), key
 
+    def set_stage_and_offload(self) -> None:
+        """Read the ZeRO stage and whether anything is offloaded into ``_stage`` / ``_offload`` (the query
+        methods read the config each time, so this only refreshes those two attributes)."""
+        self._stage = int(self.get_value("zero_optimization.stage", -1))
+        self._offload = self.stage() in (2, 3) and self.is_offload()
+
+    def del_config_sub_tree(self, ds_key_long: str, must_exist: bool = False) -> None:
+        """Delete the section at a dotted key; a missing one raises ``ValueError`` only with ``must_exist``."""
+        node, key = self.find_config_node(ds_key_long)
+        if node is None or key not in node:
+            if must_exist:
+                raise ValueError(f"Can't find {ds_key_long} entry in the config: {self.config}")
+            return
+        del node[key]
+
     def get_value(self, ds_key_long: str, default: Any = None) -> Any:
         """The value at a dotted key (``"zero_optimization.stage"``), or ``default``."""
         node, key = self.find_config_node(ds_key_long)
@@ -206,3 +222,7 @@ def _base64_json(text: str) -> str | None:
 
 
 __all__ = ["DummyOptim", "DummyScheduler", "HfDeepSpeedConfig", "load_deepspeed_config"]
+
+
+# Names Accelerate shows at this module path but hasten defines elsewhere (hasten/_accelerate_paths.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

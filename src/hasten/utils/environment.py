@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
+
+from hasten._lazy import accelerate_path_getattr
 
 _TRUE = {"1", "true", "yes", "y", "on", "t"}
 _FALSE = {"0", "false", "no", "n", "off", "f", ""}
@@ -134,6 +137,9 @@ def purge_accelerate_environment(func_or_cls: Any) -> Any:
     prefixes = ("ACCELERATE_", "HASTEN_")
 
     def wrap(function: Any) -> Any:
+        if getattr(function, "_accelerate_is_purged_environment_wrapped", False):
+            return function  # stacked decorators, or a parent class already wrapped it
+
         @functools.wraps(function)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             before = {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
@@ -145,12 +151,27 @@ def purge_accelerate_environment(func_or_cls: Any) -> Any:
                         del os.environ[key]
                 os.environ.update(before)
 
+        wrapper._accelerate_is_purged_environment_wrapped = True  # type: ignore[attr-defined]
         return wrapper
 
+    def wrap_class(cls: Any) -> Any:
+        # every test method, inherited ones included (unittest and pytest-style classes alike)
+        for name in dir(cls):
+            member = getattr(cls, name, None)
+            if name.startswith("test") and callable(member) and not inspect.isclass(member):
+                setattr(cls, name, wrap(member))
+        return cls
+
     if inspect.isclass(func_or_cls):
-        for name, member in list(vars(func_or_cls).items()):
-            if callable(member) and (name.startswith("test") or name in ("setUp", "tearDown")):
-                setattr(func_or_cls, name, wrap(member))
+        wrap_class(func_or_cls)
+        previous = func_or_cls.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls: Any, **kwargs: Any) -> None:  # subclasses' own tests are covered too
+            if previous is not None:
+                previous.__func__(cls, **kwargs)
+            wrap_class(cls)
+
+        func_or_cls.__init_subclass__ = classmethod(init_subclass)  # type: ignore[method-assign,assignment]
         return func_or_cls
     return wrap(func_or_cls)
 
@@ -180,18 +201,68 @@ def disable_fsdp_ram_efficient_loading() -> None:
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
 
 
-def get_cpu_distributed_information() -> Any:
-    """Rank, world size, local rank and local world size from the MPI/torchrun variables of this process."""
-    from types import SimpleNamespace
+#: Accelerate's switch for looking for torch_xla (hasten has no TPU path; kept for code that reads it).
+USE_TORCH_XLA: bool = bool(str_to_bool(os.environ.get("USE_TORCH_XLA", "true")))
 
+
+@dataclasses.dataclass
+class CPUInformation:
+    """Where this process sits in a CPU run: rank, world size, local rank, local world size."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+
+def get_cpu_distributed_information() -> CPUInformation:
+    """Rank, world size, local rank and local world size from the MPI/torchrun variables of this process."""
     read = lambda keys: int_from_env(keys, 0 if "RANK" in keys[0] else 1, os.environ)  # noqa: E731
-    return SimpleNamespace(
+    return CPUInformation(
         rank=int_from_env(["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK"], 0, os.environ),
         world_size=read(["WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"]),
         local_rank=int_from_env(["LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
                                  "MV2_COMM_WORLD_LOCAL_RANK"], 0, os.environ),
         local_world_size=read(["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
                                "MV2_COMM_WORLD_LOCAL_SIZE"]))
+
+
+def accelerate_dynamo_env() -> dict[str, Any]:
+    """``TorchDynamoPlugin`` settings from Accelerate's ``ACCELERATE_DYNAMO_*`` variables (only those set):
+    backend, mode, fullgraph, use_regional_compilation, dynamic."""
+    names = {"BACKEND": "backend", "MODE": "mode", "USE_FULLGRAPH": "fullgraph",
+             "USE_REGIONAL_COMPILATION": "use_regional_compilation", "USE_DYNAMIC": "dynamic"}
+    found: dict[str, Any] = {}
+    for suffix, field in names.items():
+        raw = os.environ.get(f"ACCELERATE_DYNAMO_{suffix}")
+        if raw is not None:
+            found[field] = raw if field in ("backend", "mode") else bool(str_to_bool(raw))
+    return found
+
+
+def env_var_path_add(env_var_name: str, path_to_add: Any) -> str:
+    """The value of the ``:``-separated path variable ``env_var_name`` with ``path_to_add`` appended (the
+    caller sets it).
+
+    Example:
+        >>> os.environ["PYTHONPATH"] = env_var_path_add("PYTHONPATH", "/opt/lib")
+    """
+    paths = [p for p in os.environ.get(env_var_name, "").split(":") if p]
+    return ":".join([*paths, str(path_to_add)])
+
+
+def get_driver_version() -> str:
+    """The NVIDIA driver version of the first GPU, from ``nvidia-smi``."""
+    import subprocess
+
+    output = subprocess.check_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                     text=True)
+    return output.strip().split(os.linesep)[0]
+
+
+def override_numa_affinity(local_process_index: int, verbose: bool | None = None) -> None:
+    """Pin this process to its GPU's NUMA node now (:func:`set_numa_affinity` recomputes it on every call)."""
+    set_numa_affinity(local_process_index, verbose=verbose)
 
 
 def set_numa_affinity(local_process_index: int, verbose: bool | None = None) -> None:
@@ -249,3 +320,7 @@ def check_cuda_fp8_capability() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+# Names Accelerate shows at this module path but hasten defines elsewhere (hasten/_accelerate_paths.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -127,15 +127,19 @@ def find_first_last_linear_layers(model: Any) -> tuple[str | None, str | None]:
     return first, last
 
 
-def filter_linear_layers(module: Any, layer_name: str, first_layer_name: str | None,
-                         last_layer_name: str | None) -> bool:
-    """Whether torchao should convert ``module`` to float8: not the first or last linear layer, and, for
-    a linear layer, both dimensions multiples of 16 (float8 matmul kernels need that)."""
+def filter_linear_layers(module: Any, fqn: str, layers_to_filter: list[str]) -> bool:
+    """Accelerate's float8 filter: False for a linear layer whose dimensions are not both multiples of 16
+    (float8 matmul kernels need that) and for a layer named in ``layers_to_filter``; True otherwise.
+
+    Example:
+        >>> filter_linear_layers(torch.nn.Linear(32, 32), "head", ["head"])
+        False
+    """
     import torch
 
-    if isinstance(module, torch.nn.Linear) and not filter_first_and_last_linear_layers(module, layer_name):
+    if isinstance(module, torch.nn.Linear) and not filter_first_and_last_linear_layers(module, fqn):
         return False  # the float8 shape rule, kept in one place
-    return layer_name not in (first_layer_name, last_layer_name)
+    return fqn not in layers_to_filter
 
 
 def filter_first_and_last_linear_layers(module: Any, fqn: str) -> bool:
@@ -185,7 +189,7 @@ def convert_model_to_fp8_ao(model: Any, config: Any = None, module_filter_func: 
 
     if module_filter_func is None:
         first, last = find_first_last_linear_layers(model)
-        module_filter_func = functools.partial(filter_linear_layers, first_layer_name=first, last_layer_name=last)
+        module_filter_func = functools.partial(filter_linear_layers, layers_to_filter=[n for n in (first, last) if n])
     convert_to_float8_training(model, config=config if config is not None else ao_float8_config(None),
                                module_filter_fn=module_filter_func)
 

@@ -17,6 +17,8 @@ import socket
 import torch
 from packaging.version import Version
 
+from hasten._lazy import accelerate_path_getattr
+
 _OPERATIONS = {"<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">=": operator.ge,
                ">": operator.gt}
 
@@ -395,3 +397,29 @@ def is_port_in_use(port: int | None = None) -> bool:
     """Whether something listens on ``localhost:port`` (default: 29500, torchrun's port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         return sock.connect_ex(("localhost", port or 29500)) == 0
+
+
+def get_free_port() -> int:
+    """A TCP port on this machine that nothing listens on now (the system picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+# Names Accelerate shows at this module path but hasten defines elsewhere (hasten/_accelerate_paths.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())
+
+
+def is_numpy_available(min_version: str = "1.25.0") -> bool:
+    """Whether numpy is installed at ``min_version`` or newer."""
+    return _installed("numpy", min_version)
+
+
+def is_tqdm_available() -> bool:
+    """Whether ``tqdm`` is importable."""
+    return _installed("tqdm")
+
+
+def is_torch_distributed_available() -> bool:
+    """Whether this torch build has ``torch.distributed``."""
+    return bool(torch.distributed.is_available())

@@ -8,17 +8,34 @@ recognised by their classes' module names, so asking never imports them.
 from __future__ import annotations
 
 import functools
+import logging
 import platform
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.exceptions import MissingDependencyError
 from hasten.utils.imports import is_torchao_available
+
+
+def _torch_safe_globals() -> list[Any]:
+    import codecs
+
+    import numpy as np  # already imported by torch
+
+    core = getattr(np, "_core", None) or np.core
+    found: list[Any] = [core.multiarray._reconstruct, np.ndarray, codecs.encode, np.dtype]
+    if hasattr(np, "dtypes"):
+        found.append(np.dtypes.UInt32DType)
+    return found
+
+
+#: The globals a ``weights_only`` torch load of numpy arrays and RNG states needs (Accelerate's list).
+TORCH_SAFE_GLOBALS: list[Any] = _torch_safe_globals()
 
 
 def recursive_getattr(obj: Any, attr: str) -> Any:
@@ -70,8 +87,9 @@ def check_os_kernel() -> None:
     except ValueError:
         return
     if version < (5, 5):
-        warnings.warn(f"Detected kernel version {release}, which is below the recommended minimum of 5.5.0; this "
-                      "can cause the process to hang. It is recommended to upgrade the kernel.", stacklevel=2)
+        logging.getLogger(__name__).warning(  # a log record, as Accelerate's
+            f"Detected kernel version {release}, which is below the recommended minimum of 5.5.0; this can cause "
+            "the process to hang. It is recommended to upgrade the kernel.")
 
 
 def clean_state_dict_for_safetensors(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -151,10 +169,43 @@ def get_model_tp_size(model: nn.Module) -> int:
     return 1
 
 
+def is_repeated_blocks(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.ModuleList`` whose children all share the first child's class.
+
+    Example:
+        >>> is_repeated_blocks(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        True
+    """
+    return isinstance(module, nn.ModuleList) and len(module) > 0 and all(
+        isinstance(m, module[0].__class__) for m in module)
+
+
+def has_repeated_blocks(module: nn.Module) -> bool:
+    """Whether ``module`` holds repeated blocks (:func:`is_repeated_blocks`) at any depth."""
+    return bool(module._modules) and any(is_repeated_blocks(m) for m in module.modules())
+
+
+def get_module_class_from_name(module: nn.Module, name: str) -> type | None:
+    """The class named ``name`` among ``module`` and its descendants (depth first), else None.
+
+    Example:
+        >>> get_module_class_from_name(nn.Sequential(nn.ReLU()), "ReLU")
+        <class 'torch.nn.modules.activation.ReLU'>
+    """
+    if module.__class__.__name__ == name:
+        return module.__class__
+    for child in module.children():
+        found = get_module_class_from_name(child, name)
+        if found is not None:
+            return found
+    return None
+
+
 def _repeated_blocks(module: nn.Module) -> Iterator[nn.ModuleList]:
+    # regional compilation compiles each block of a list of two or more: one block gains nothing
     for child in module.modules():
-        if isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(m) for m in child}) == 1:
-            yield child
+        if is_repeated_blocks(child) and len(child) > 1:  # type: ignore[arg-type]
+            yield child  # type: ignore[misc]
 
 
 def compile_regions(module: nn.Module, **compile_kwargs: Any) -> nn.Module:
@@ -261,16 +312,5 @@ def get_fsdp2_grad_scaler(**kwargs: Any) -> torch.amp.GradScaler:
     return get_grad_scaler(None, **kwargs)
 
 
-# --- issue 23 (hfstack): names Transformers and diffusers import from accelerate.utils.modeling ---------------
-# They live with the rest of the device-map arithmetic (hasten.big_modeling, hasten.utils.sizes); resolved on
-# first use so this bottom-layer module imports nothing above it.
-_FROM_ELSEWHERE = {"clean_device_map": "hasten.big_modeling.device_map", "get_max_layer_size": "hasten.big_modeling.sizes",
-                   "convert_file_size_to_int": "hasten.utils.sizes"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _FROM_ELSEWHERE:
-        import importlib
-
-        return getattr(importlib.import_module(_FROM_ELSEWHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Names Accelerate shows at this module path but hasten defines elsewhere (hasten/_accelerate_paths.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

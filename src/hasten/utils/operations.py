@@ -17,12 +17,13 @@ from hasten.exceptions import DistributedOperationException as DistributedOperat
 
 _EXPORTS: dict[str, str] = {}
 for _module, _names in {
-    "hasten.ops.collectives": "broadcast broadcast_object_list gather gather_object pad_across_processes "
+    "hasten.ops.collectives": "CannotPadNestedTensorWarning broadcast broadcast_object_list gather gather_object "
+                              "pad_across_processes "
                               "pad_input_tensors reduce",
     "hasten.ops.tree": "concatenate convert_to_fp32 find_batch_size find_device get_data_structure honor_type "
                        "ignorant_find_batch_size is_namedtuple is_torch_tensor listify recursively_apply "
                        "send_to_device slice_tensors",
-    "hasten.ops.compat": "CannotPadNestedTensorWarning ConvertOutputsToFp32 GatheredParameters TensorInformation "
+    "hasten.ops.compat": "TENSOR_INT_TO_DTYPE TENSOR_TYPE_TO_INT ConvertOutputsToFp32 GatheredParameters TensorInformation "
                          "chained_operation convert_outputs_to_fp32 copy_tensor_to_devices gather_tensor_shape "
                          "get_shape initialize_tensors is_tensor_information is_torch_xpu_tensor verify_operation",
 }.items():
@@ -30,6 +31,7 @@ for _module, _names in {
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names resolve on first use
     from hasten.ops.collectives import (
+        CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,
         broadcast as broadcast,
         broadcast_object_list as broadcast_object_list,
         gather as gather,
@@ -39,7 +41,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         reduce as reduce,
     )
     from hasten.ops.compat import (
-        CannotPadNestedTensorWarning as CannotPadNestedTensorWarning,
+        TENSOR_INT_TO_DTYPE as TENSOR_INT_TO_DTYPE,
+        TENSOR_TYPE_TO_INT as TENSOR_TYPE_TO_INT,
         ConvertOutputsToFp32 as ConvertOutputsToFp32,
         GatheredParameters as GatheredParameters,
         TensorInformation as TensorInformation,

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
+
+_accelerate_path = accelerate_path_getattr(__name__, globals())
+
 
 def __getattr__(name: str) -> Any:
     if name in ("ThreadLocalSharedDict", "wait_for_everyone"):
         import hasten.state
 
         return getattr(hasten.state, name)
-    raise AttributeError(f"module 'hasten.utils.other' has no attribute {name!r}")
+    return _accelerate_path(name)  # the model helpers hasten keeps in utils.modeling (hasten/_accelerate_paths.py)

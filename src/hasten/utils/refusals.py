@@ -18,19 +18,14 @@ MEGATRON = ("Megatron-LM", "train large models with FSDP2 "
 TPU = ("TPUs / torch_xla", "hasten runs on CPUs and CUDA GPUs; on TPUs use Accelerate or torch_xla directly")
 SAGEMAKER = ("Amazon SageMaker launching", "start the job with SageMaker's own PyTorch estimator and "
              "`hasten launch` (or torchrun) inside it")
-PIPPY = ("pipeline-parallel inference (PiPPy)", "split inference across processes with "
-         "`PartialState().split_between_processes(...)`, or place one large model with "
-         "`dispatch_model`/`load_checkpoint_and_dispatch(device_map='auto')`")
 BNB = ("bitsandbytes quantization", "quantize with transformers' `BitsAndBytesConfig` "
        "(`from_pretrained(..., quantization_config=...)`) and prepare the quantized model as usual")
 TRANSFORMER_ENGINE = ("NVIDIA Transformer Engine / MS-AMP fp8", "hasten's fp8 path is torchao "
                       "(`AORecipeKwargs`), on GPUs with compute capability 8.9 or newer")
-ND_PARALLEL = ("DeepSpeed-Ulysses sequence parallelism, the older TP plugin", "split long sequences with "
+ND_PARALLEL = ("DeepSpeed-Ulysses sequence parallelism", "split long sequences with "
                "`ParallelismConfig(cp_size=...)` (CUDA), and tensor-parallelize with `ParallelismConfig(tp_size=..., "
                "tp_handler=TorchTensorParallelConfig(...))` (docs: N-D parallelism)")
 LOMO = ("LOMO optimizers", "use a regular torch optimizer (fused AdamW) or DeepSpeed's ZeRO offload")
-CHECKPOINT_INTERNALS = ("Accelerate's checkpoint-folder internals", "save and load with `accelerator.save_state(...)` "
-                        "/ `accelerator.load_state(...)` (and `save_model` for weights only)")
 ACCELERATE_LAUNCHER = ("Accelerate's launcher internals", "start processes with `hasten launch` (or "
                        "`hasten.launchers.notebook_launcher` in Python)")
 

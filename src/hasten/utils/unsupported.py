@@ -10,7 +10,6 @@ from __future__ import annotations
 from hasten.utils.refusals import (
     ACCELERATE_LAUNCHER,
     BNB,
-    CHECKPOINT_INTERNALS,
     MEGATRON,
     ND_PARALLEL,
     SAGEMAKER,
@@ -42,16 +41,50 @@ BnbQuantizationConfig = refused_class("BnbQuantizationConfig", "load_in_8bit llm
 load_and_quantize_model = refused_function("load_and_quantize_model", "model bnb_quantization_config weights_location device_map no_split_module_classes max_memory offload_folder offload_state_dict", BNB)
 convert_model = refused_function("convert_model", "model to_transformer_engine _convert_linear _convert_ln", TRANSFORMER_ENGINE)
 apply_fp8_autowrap = refused_function("apply_fp8_autowrap", "model fp8_recipe_handler", TRANSFORMER_ENGINE)
-TorchTensorParallelPlugin = refused_class("TorchTensorParallelPlugin", "tp_size torch_device_mesh", ND_PARALLEL)
 DeepSpeedSequenceParallelConfig = refused_class("DeepSpeedSequenceParallelConfig", "sp_seq_length sp_seq_length_is_variable sp_attn_implementation", ND_PARALLEL)
 contextual_fp8_autocast = refused_function("contextual_fp8_autocast", "model_forward fp8_recipe use_during_eval",
                                            TRANSFORMER_ENGINE)
-save_accelerator_state = refused_function(
-    "save_accelerator_state", "output_dir model_states optimizers schedulers dataloaders process_index step scaler "
-    "save_on_each_node safe_serialization", CHECKPOINT_INTERNALS)
-load_accelerator_state = refused_function(
-    "load_accelerator_state", "input_dir models optimizers schedulers dataloaders process_index scaler map_location "
-    "load_kwargs load_model_func_kwargs", CHECKPOINT_INTERNALS)
 prepare_deepspeed_cmd_env = refused_function("prepare_deepspeed_cmd_env", "args", ACCELERATE_LAUNCHER)
 prepare_multi_gpu_env = refused_function("prepare_multi_gpu_env", "args", ACCELERATE_LAUNCHER)
 prepare_simple_launcher_cmd_env = refused_function("prepare_simple_launcher_cmd_env", "args", ACCELERATE_LAUNCHER)
+
+# accelerate.utils.bnb: bitsandbytes quantization
+get_keys_to_not_convert = refused_function("get_keys_to_not_convert", "model", BNB)
+get_parameter_device = refused_function("get_parameter_device", "parameter", BNB)
+get_quantized_model_device_map = refused_function(
+    "get_quantized_model_device_map", "model bnb_quantization_config device_map max_memory no_split_module_classes", BNB)
+quantize_and_offload_8bit = refused_function(
+    "quantize_and_offload_8bit", "model param param_name new_dtype offload_folder offload_index fp16_statistics", BNB)
+replace_with_bnb_layers = refused_function(
+    "replace_with_bnb_layers", "model bnb_quantization_config modules_to_not_convert current_key_name", BNB)
+
+# accelerate.utils.megatron_lm and the Megatron-LM model-config parsers of accelerate.utils.dataclasses
+MegatronEngine = refused_class("MegatronEngine", "accelerator model optimizer scheduler", MEGATRON)
+MegatronLMOptimizerWrapper = refused_class("MegatronLMOptimizerWrapper", "optimizer", MEGATRON)
+MegatronLMSchedulerWrapper = refused_class("MegatronLMSchedulerWrapper", "scheduler optimizers", MEGATRON)
+finish_mpu_init = refused_function("finish_mpu_init", "", MEGATRON)
+gather_across_data_parallel_groups = refused_function("gather_across_data_parallel_groups", "tensor", MEGATRON)
+initialize = refused_function("initialize", "accelerator extra_args_provider args_defaults", MEGATRON)
+model_provider_func = refused_function("model_provider_func", "pre_process post_process add_encoder add_decoder",
+                                       MEGATRON)
+prepare_model_optimizer_scheduler = refused_function("prepare_model_optimizer_scheduler", "accelerator", MEGATRON)
+prepare_optimizer = refused_function("prepare_optimizer", "accelerator model", MEGATRON)
+prepare_scheduler = refused_function("prepare_scheduler", "accelerator optimizer scheduler", MEGATRON)
+parse_bert_config = refused_function("parse_bert_config", "megatron_lm_plugin model batch_data", MEGATRON)
+parse_glm4_moe_config = refused_function("parse_glm4_moe_config", "megatron_lm_plugin model batch_data", MEGATRON)
+parse_gpt2_config = refused_function("parse_gpt2_config", "megatron_lm_plugin model batch_data", MEGATRON)
+parse_llama_config = refused_function("parse_llama_config", "megatron_lm_plugin model batch_data", MEGATRON)
+parse_t5_config = refused_function("parse_t5_config", "megatron_lm_plugin model batch_data", MEGATRON)
+MODEL_CONFIGS_TO_MEGATRON_PARSERS = {"megatron-bert": parse_bert_config, "gpt2": parse_gpt2_config,
+                                     "t5": parse_t5_config, "llama": parse_llama_config,
+                                     "glm4_moe": parse_glm4_moe_config}
+
+# accelerate.utils.launch: the pieces of Accelerate's launcher that write ACCELERATE_* variables
+prepare_extend_env_parallelism_config = refused_function("prepare_extend_env_parallelism_config",
+                                                         "args current_env", ACCELERATE_LAUNCHER)
+setup_fp8_env = refused_function("setup_fp8_env", "args current_env", ACCELERATE_LAUNCHER)
+
+# accelerate.commands.launch: launchers for TPUs and SageMaker
+tpu_launcher = refused_function("tpu_launcher", "args", TPU)
+tpu_pod_launcher = refused_function("tpu_pod_launcher", "args", TPU)
+sagemaker_launcher = refused_function("sagemaker_launcher", "sagemaker_config args", SAGEMAKER)

@@ -361,3 +361,36 @@ def deepspeed_plugin_from_launch_config(launch: LaunchConfig | Mapping[str, Any]
 
 
 __all__ = ["DeepSpeedPlugin", "deepspeed_plugin_from_launch_config"]
+
+
+def get_active_deepspeed_plugin(state: Any) -> Any:
+    """The active ``DeepSpeedPlugin`` of ``state`` (an ``AcceleratorState``).
+
+    Raises:
+        ValueError: the run is not a DeepSpeed run (Accelerate's message).
+    """
+    if str(getattr(state, "distributed_type", "")) != "DEEPSPEED":
+        raise ValueError("Couldn't retrieve the active `DeepSpeedPlugin` as none were enabled. Please make sure that "
+                         "either `Accelerator` is configured for `deepspeed` or make sure that the desired "
+                         "`DeepSpeedPlugin` has been enabled (`AcceleratorState().select_deepspeed_plugin(name)`) "
+                         "before calling this function.")
+    return state.deepspeed_plugin
+
+
+def map_pytorch_optim_to_deepspeed(optimizer: Any) -> Any:
+    """DeepSpeed's CPU optimizer for a torch optimizer's parameter groups (for ZeRO optimizer offload):
+    ``DeepSpeedCPUAdagrad`` for ``Adagrad``, else ``DeepSpeedCPUAdam`` (in AdamW mode for ``AdamW``), with
+    the optimizer's ``lr`` and ``weight_decay``. Needs deepspeed."""
+    import torch
+
+    from hasten.utils.deepspeed_runtime import import_deepspeed
+
+    import_deepspeed()
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "weight_decay")}
+    if isinstance(optimizer, torch.optim.Adagrad):
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+        return DeepSpeedCPUAdagrad(optimizer.param_groups, **defaults)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(optimizer.param_groups, adamw_mode=isinstance(optimizer, torch.optim.AdamW), **defaults)

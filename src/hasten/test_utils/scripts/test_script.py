@@ -1,9 +1,10 @@
-"""The set-up check that ``hasten test`` runs through ``hasten launch`` on the configured processes.
+"""The set-up check that ``hasten test`` runs through ``hasten launch`` on the configured processes
+(Accelerate's ``test_script.py`` name; hasten's own checks).
 
 Each check compares against a value every rank can compute alone (ground truth), so a wrong
 rank/world size, a broken collective or unsynchronised RNG fails with the check's name. Add checks
 to ``CHECKS``.
-Run directly: ``hasten launch --cpu --num_processes 2 -m hasten.testing.scripts.sanity`` or by path.
+Run directly: ``hasten launch --cpu --num_processes 2 -m hasten.test_utils.scripts.test_script`` or by path.
 """
 
 from __future__ import annotations
@@ -128,6 +129,80 @@ def check_training(state: PartialState) -> None:
         assert torch.allclose(mine.detach().cpu(), expected.detach(), atol=1e-5), (mine, expected)
 
 
+def check_split_nested_dict(state: PartialState) -> None:
+    """A dict of lists and tensors is split key by key into the same rows on each process."""
+    n = state.num_processes
+    data = {"a": list(range(2 * n)), "b": torch.arange(2 * n), "c": [str(i) for i in range(2 * n)]}
+    with state.split_between_processes(data) as share:
+        rows = gather_object([(share["a"], share["b"].tolist(), share["c"])])
+    assert [x for a, _, _ in rows for x in a] == data["a"], rows
+    assert all(a == b and [str(i) for i in a] == c for a, b, c in rows), rows
+
+
+def check_dispatched_data_loader(state: PartialState) -> None:
+    """``dispatch_batches`` (the main process reads, the others receive) and ``split_batches`` hand out the
+    same samples as the plain sharded loader: the whole data set, once."""
+    from torch.utils.data import DataLoader
+
+    from hasten.data import prepare_data_loader
+
+    n = state.num_processes
+    numbers: Any = list(range(16 * n))
+    for dispatch, split in ((True, False), (False, True), (True, True)):
+        batch_size = 8 * n if split else 8
+        loader = prepare_data_loader(DataLoader(numbers, batch_size=batch_size), put_on_device=True,
+                                     dispatch_batches=dispatch, split_batches=split)
+        seen = torch.cat([gather(batch.to(state.device)).cpu() for batch in loader])
+        assert sorted(seen.tolist()) == numbers, f"dispatch={dispatch} split={split}: {seen.tolist()}"
+
+
+def check_seedable_sampler(state: PartialState) -> None:
+    """A shuffling loader draws the same permutation on every process for an epoch, and a new one after
+    ``set_epoch``."""
+    from torch.utils.data import DataLoader
+
+    from hasten.data import prepare_data_loader
+
+    torch.manual_seed(100 + state.process_index)  # different per rank: the sampler must not depend on it
+    numbers: Any = list(range(8 * state.num_processes))
+    loader: Any = prepare_data_loader(DataLoader(numbers, batch_size=4, shuffle=True), use_seedable_sampler=True)
+    epochs = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        epochs.append(sorted(gather_object([b.tolist() for b in loader])))
+    assert all(e == epochs[0] for e in gather_object([epochs[0]])), "processes shuffled differently"
+    assert epochs[0] != epochs[1] or state.num_processes * 8 < 4, "set_epoch did not change the order"
+
+
+def check_trigger(state: PartialState) -> None:
+    """``set_trigger`` on one process makes ``check_trigger`` True everywhere, once."""
+    from hasten import Accelerator
+
+    accelerator = Accelerator()
+    assert accelerator.check_trigger() is False
+    if state.is_last_process:
+        accelerator.set_trigger()
+    assert accelerator.check_trigger() is True
+    assert accelerator.check_trigger() is False
+
+
+def check_reinstantiated_state(state: PartialState) -> None:
+    """After ``AcceleratorState._reset_state()``, preparing with the old Accelerator raises at once,
+    naming ``_reset_state`` (Accelerate's message)."""
+    from hasten import Accelerator
+    from hasten.state import AcceleratorState
+
+    accelerator = Accelerator()
+    AcceleratorState._reset_state()
+    try:
+        accelerator.prepare(torch.nn.Linear(1, 1))
+    except AttributeError as error:
+        assert "This happens if `AcceleratorState._reset_state()`" in str(error), error
+    else:
+        raise AssertionError("prepare after AcceleratorState._reset_state() did not raise")
+    Accelerator()  # a fresh Accelerator repairs the shared state
+
+
 # The checks run in this order; each takes the state and raises AssertionError on failure.
 CHECKS: list[Callable[[PartialState], None]] = [
     check_state,
@@ -137,6 +212,11 @@ CHECKS: list[Callable[[PartialState], None]] = [
     check_rng_synchronisation,
     check_data_loader,
     check_training,
+    check_split_nested_dict,
+    check_dispatched_data_loader,
+    check_seedable_sampler,
+    check_trigger,
+    check_reinstantiated_state,
 ]
 
 

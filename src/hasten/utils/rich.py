@@ -1,0 +1,11 @@
+"""Accelerate's ``accelerate.utils.rich``: importing it installs rich's traceback printer (needs ``rich``)."""
+
+from hasten.exceptions import MissingDependencyError
+from hasten.utils.imports import is_rich_available
+
+if not is_rich_available():
+    raise MissingDependencyError("rich", "rich tracebacks (`import hasten.utils.rich`)")
+
+from rich.traceback import install  # noqa: E402
+
+install(show_locals=False)
