@@ -113,7 +113,6 @@ PATHS: dict[str, dict[str, str]] = {
         "has_transformer_engine_layers": "hasten.utils.modeling",
     },
     "hasten.test_utils.testing": {"parse_flag_from_env": "hasten.utils.environment"},
-    "hasten.commands.config.config_utils": {"DYNAMO_BACKENDS": "hasten.commands.launch"},
     "hasten.commands.launch": {
         **_names("hasten.commands.launch_compat", "CustomHelpFormatter clean_option deepspeed_launcher "
                                                   "multi_gpu_launcher options_to_group simple_launcher"),
