@@ -43,7 +43,7 @@ WORKER = textwrap.dedent("""
     from pathlib import Path
     import torch
     from torch import nn
-    from hasten import Accelerator
+    from hasten import Accelerator, ProjectConfiguration
     from hasten.checkpointing import newest_checkpoint
 
     class Counter:
@@ -98,7 +98,8 @@ def _wait_for_markers(markers: Path, count: int, alive: Callable[[], bool], dead
         found = {int(p.name.split(".")[0]): int(p.name.split(".")[1]) for p in markers.iterdir()}
         if len(found) == count:
             return found
-        assert alive(), "the ranks ended before they reached their save loop"
+        errors = "".join(p.read_text()[-1500:] for p in markers.parent.glob(f"ranks{markers.name[7:]}/*.err"))
+        assert alive(), f"the ranks ended before they reached their save loop {errors}"
         assert time.monotonic() < deadline, "the ranks did not reach their save loop in time"
         time.sleep(0.02)
 
