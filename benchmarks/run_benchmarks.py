@@ -26,6 +26,7 @@ SCRIPTS = {  # name -> script (the name is the output file stem)
     "launch": "bench_scaling_launch.py",
     "big_model": "bench_scaling_big_model.py",
     "checkpoint": "bench_scaling_checkpoint.py",
+    "async_checkpoint": "bench_scaling_async_checkpoint.py",
 }
 
 

@@ -21,11 +21,13 @@ sharded state dicts, DeepSpeed's) are written on the calling thread as in a sync
 their publication is in the background.
 
 Memory: the snapshot holds the serialised bytes of this process's files (about the size of what it
-writes) until they are written; it is freed before the next save can start.
+writes; ``torch.save``'d files stay in an anonymous in-memory file, mapped rather than copied) until
+each is written; it is freed before the next save can start.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +38,7 @@ from typing import Any
 from hasten.checkpointing import sealing
 from hasten.exceptions import CheckpointError
 
+Payload = bytes | mmap.mmap  # a file's serialised bytes; a read-only map of an in-memory file (no copy)
 _CAPTURING: dict[Path, Snapshot] = {}
 _LOCK = threading.Lock()
 
@@ -45,9 +48,9 @@ class Snapshot:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.files: list[tuple[Path, bytes]] = []
+        self.files: list[tuple[Path, Payload]] = []
 
-    def add(self, path: Path, data: bytes) -> None:
+    def add(self, path: Path, data: Payload) -> None:
         """Keep ``data`` to be written to ``path`` (inside the staging folder) later."""
         self.files.append((path, data))
 
@@ -71,6 +74,9 @@ class Snapshot:
                         out.write(data)
                 except OSError as exc:
                     raise CheckpointError(f"writing {path} failed: {exc}") from exc
+                finally:
+                    if isinstance(data, mmap.mmap):
+                        data.close()
                 del data
                 sealer.seal(path)
                 if after_file is not None:
@@ -80,6 +86,9 @@ class Snapshot:
             except OSError as exc:
                 raise CheckpointError(f"syncing a file of {self.folder} failed: {exc}") from exc
         finally:
+            for _, data in self.files:  # not written (a failure): unmap now rather than at collection
+                if isinstance(data, mmap.mmap):
+                    data.close()
             self.files.clear()
             sealer._pool.shutdown(wait=True)
 
@@ -233,4 +242,4 @@ class BackgroundSaver:
             raise CheckpointError(f"The background save failed: {type(error).__name__}: {error}") from error
 
 
-__all__ = ["BackgroundSaver", "Coordinator", "Publication", "Snapshot", "capture", "finish", "snapshot_for"]
+__all__ = ["BackgroundSaver", "Coordinator", "Payload", "Publication", "Snapshot", "capture", "finish", "snapshot_for"]
