@@ -64,7 +64,7 @@ $(HF_STAMP): $(STAMP)
 	$(PY) -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" \
 	  > "$$($(HF_PY) -c 'import site; print(site.getsitepackages()[0])')/zz_hasten_venv.pth"
 	$(HF_PY) -m pip install --quiet --no-deps trl==1.16.0 peft==0.21.2 diffusers==0.42.1
-	$(HF_PY) -m pip install --quiet datasets
+	$(HF_PY) -m pip install --quiet datasets==5.2.0
 	test -x $(HF_ACC_PY) || $(PYTHON) -m venv $(HF_ACC_VENV)
 	$(HF_PY) -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" \
 	  > "$$($(HF_ACC_PY) -c 'import site; print(site.getsitepackages()[0])')/zz_hf_venv.pth"
