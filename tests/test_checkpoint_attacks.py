@@ -21,6 +21,7 @@ from torch import nn
 from hasten import Accelerator, ProjectConfiguration
 from hasten.checkpointing import CheckpointError, safe_load
 from hasten.testing import run_on_ranks
+from test_checkpoint_safety import Counter, _same, _weights  # the first pass's helpers
 
 
 def _setup(**kwargs):
@@ -29,25 +30,6 @@ def _setup(**kwargs):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     return (accelerator, *accelerator.prepare(model, optimizer))
-
-
-def _weights(accelerator, model):
-    return {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-class Counter:
-    def __init__(self, count=0):
-        self.count = count
-
-    def state_dict(self):
-        return {"count": self.count}
-
-    def load_state_dict(self, state):
-        self.count = state["count"]
 
 
 # ------------------------------------------------------------------------ 1. no constructor runs
