@@ -31,7 +31,7 @@ from hasten.environments import (
 from hasten.ops.collectives import barrier
 from hasten.ops.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
-from hasten.utils.environment import is_env_set
+from hasten.utils.environment import is_env_set, parse_flag_from_env
 from hasten.utils.split import split_inputs
 
 #: How long a rank may wait in one collective before the watchdog reports every rank and stops the run.
@@ -197,7 +197,8 @@ class PartialState(_ProcessQueries):
         if self.initialized:
             return
         launch = hasten_env.launch_config_dict()
-        cpu = cpu or bool(launch.get("use_cpu", False))
+        # Accelerate honours ACCELERATE_USE_CPU here too (its launcher and the test harness set it).
+        cpu = cpu or bool(launch.get("use_cpu", False)) or parse_flag_from_env("ACCELERATE_USE_CPU")
         environment, info = current_process_info()
         device_kind = select_device(cpu=cpu)
         self._setup(environment, info, device_kind, cpu, kwargs)
