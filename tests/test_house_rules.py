@@ -1,6 +1,7 @@
 """The architecture's rules, checked on the source: layering, environment access, file budget, lazy imports."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -298,6 +299,13 @@ def test_module_state_finder_sees_every_kind():
         assert kind in found, (kind, found)
     assert "TABLE" not in found  # a constant table nobody writes is not state
     assert _module_state("TABLE = {1: 2}\ndef f(x):\n    local = {}\n    local[x] = TABLE[x]\n") == []
+
+
+def test_one_mesh_builder():
+    """Only ``ParallelismConfig.build_device_mesh`` creates a ``DeviceMesh`` (docs/architecture.md, N-D parallelism)."""
+    builders = sorted(str(path.relative_to(SRC)) for path in _sources()
+                      if re.search(r"\binit_device_mesh\b|\bDeviceMesh\(\s*[^)\s]", path.read_text()))
+    assert builders == ["config/parallelism.py"]
 
 
 def test_file_budget():
