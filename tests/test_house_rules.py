@@ -1,6 +1,7 @@
 """The architecture's rules, checked on the source: layering, environment access, file budget, lazy imports."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -233,6 +234,78 @@ def test_private_apis_only_in_one_module():
         if found:
             offenders[str(path.relative_to(SRC))] = found
     assert not offenders, f"private APIs outside hasten/_private_api.py: {offenders}"
+
+
+# Calls that change a container or start a thread: on a module-level name they make the module stateful.
+_MUTATING_CALLS = {"add", "append", "appendleft", "clear", "discard", "extend", "insert", "pop", "popitem", "popleft",
+                   "remove", "reverse", "setdefault", "sort", "start", "update"}
+
+
+def _module_state(code: str) -> list[str]:
+    """What makes a module stateful: a thread import, a ``global`` statement, a module-level instance of a
+    class it defines, or a module-level name written through an item, an attribute or a mutating call
+    anywhere in it. Constant tables (a dict nobody writes) are fine."""
+    tree = ast.parse(code)
+    found: list[str] = []
+    names: set[str] = set()
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+            value = node.value
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in classes:
+                found.append(f"line {node.lineno}: module-level instance of {value.func.id}")
+
+    def _base(node: ast.AST) -> str | None:
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(m.split(".")[0] in ("threading", "_thread") for m in modules):
+                found.append(f"line {node.lineno}: imports threading")
+        elif isinstance(node, ast.Global):
+            found.append(f"line {node.lineno}: global {', '.join(node.names)}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target])
+            for target in targets:
+                if isinstance(target, (ast.Attribute, ast.Subscript)) and _base(target) in names:
+                    found.append(f"line {node.lineno}: writes module-level {_base(target)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in _MUTATING_CALLS and _base(node.func.value) in names):
+            found.append(f"line {node.lineno}: {_base(node.func.value)}.{node.func.attr}(...) changes module state")
+    return found
+
+
+def test_ops_holds_no_module_state_and_starts_no_thread():
+    """``ops/`` is stateless: what hangs on the process group (the watchdog, debug checks) lives in
+    ``environments/`` beside ``process_group.py``, which owns the group's lifetime."""
+    problems = {str(path.relative_to(SRC)): found for path in sorted((SRC / "ops").rglob("*.py"))
+                if (found := _module_state(path.read_text()))}
+    assert problems == {}
+
+
+def test_module_state_finder_sees_every_kind():
+    code = ("import threading\nfrom collections import deque\nTABLE = {1: 2}\nSEEN = {}\nRECENT = deque()\n"
+            "class _Slot:\n    pass\nSLOT = _Slot()\n"
+            "def f(x):\n    global COUNT\n    SEEN[x] = 1\n    SLOT.value = x\n    RECENT.append(x)\n"
+            "    return TABLE.get(x)\n")
+    found = " | ".join(_module_state(code))
+    for kind in ("imports threading", "instance of _Slot", "global COUNT", "writes module-level SEEN",
+                 "writes module-level SLOT", "RECENT.append"):
+        assert kind in found, (kind, found)
+    assert "TABLE" not in found  # a constant table nobody writes is not state
+    assert _module_state("TABLE = {1: 2}\ndef f(x):\n    local = {}\n    local[x] = TABLE[x]\n") == []
+
+
+def test_one_mesh_builder():
+    """Only ``ParallelismConfig.build_device_mesh`` creates a ``DeviceMesh`` (docs/architecture.md, N-D parallelism)."""
+    builders = sorted(str(path.relative_to(SRC)) for path in _sources()
+                      if re.search(r"\binit_device_mesh\b|\bDeviceMesh\(\s*[^)\s]", path.read_text()))
+    assert builders == ["config/parallelism.py"]
 
 
 def test_file_budget():

@@ -263,7 +263,8 @@ def build_parts(settings: Settings, device: torch.device, distributed_type: Dist
         from hasten.strategies.fsdp2 import FSDP2Strategy
 
         precision = FSDPPrecision(precision, getattr(settings.fsdp_plugin, "mixed_precision_policy", None))
-        strategy = FSDP2Strategy(device, precision, DistributedType.FSDP, num_processes, plugin=settings.fsdp_plugin)
+        strategy = FSDP2Strategy(device, precision, DistributedType.FSDP, num_processes, plugin=settings.fsdp_plugin,
+                                 world_mesh=getattr(config, "device_mesh", None))
     elif num_processes > 1:
         strategy = DDPStrategy(device, precision, distributed_type, num_processes,
                                ddp_kwargs=handlers.get(DistributedDataParallelKwargs))

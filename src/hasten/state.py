@@ -28,8 +28,8 @@ from hasten.environments import (
     export_torch_env,
     process_group,
 )
+from hasten.environments.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.ops.collectives import barrier
-from hasten.ops.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
 from hasten.utils.environment import is_env_set, parse_flag_from_env
 from hasten.utils.split import split_inputs
@@ -423,6 +423,11 @@ class AcceleratorState(_ProcessQueries):
             raise ValueError("select_deepspeed_plugin needs several named plugins: `deepspeed_plugin={'a': ..., 'b': ...}`")
         chosen = self.get_deepspeed_plugin(name) if name is not None else next(iter(plugins.values()))
         self.deepspeed_plugins = {k: v for k, v in [(name, chosen)] + [(k, v) for k, v in plugins.items() if k != name]}
+
+    def _attach_layout(self, parallelism_config: Any) -> None:
+        """Keep the run's ``ParallelismConfig`` (as the ``Accelerator`` resolved it) and the mesh it carries."""
+        self.parallelism_config = parallelism_config
+        self.device_mesh = getattr(parallelism_config, "device_mesh", None)
 
     def _attach_strategy(self, strategy: _RunStrategy) -> None:
         """Make ``strategy`` (the Accelerator's) the source of ``distributed_type``, ``is_fsdp2`` and the plugins."""
