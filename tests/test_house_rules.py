@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # statement is (module level or inside a function); only `if TYPE_CHECKING:` blocks are exempt.
 LAYERS = [
     ["hasten.exceptions", "hasten._lazy", "hasten._accelerate_alias", "hasten._accelerate_paths", "hasten._private_api",
-     "hasten.utils"],
+     "hasten.base"],
     ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],
@@ -26,6 +26,9 @@ LAYERS = [
     ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader",
      "hasten.hooks", "hasten.inference"],
     ["hasten.commands", "hasten.testing", "hasten.test_utils", "hasten.memory_utils"],
+    # Accelerate's `accelerate.utils` namespace: aliases of the ground floor's modules (hasten.base) and
+    # Accelerate-only paths. Nothing inside hasten imports it (the facade rule below resolves its names).
+    ["hasten.utils"],
 ]
 # Accelerate-compatible re-export facades resolve their names lazily, from every layer: `hasten`,
 # `hasten.utils`, `hasten.utils.operations`, and the two `accelerate.utils.<module>` paths whose names
@@ -35,9 +38,9 @@ FACADES = {"hasten", "hasten.utils", "hasten.utils.operations", "hasten.utils.tq
 # No import runs upward, not even inside a function: this set stays empty (a pair here would be a
 # (module, imported) exception with its reason, to be moved down before the next release).
 UPWARD_ALLOWED: set[tuple[str, str]] = set()
-ENV_ALLOWED = ("config/env.py", "environments/", "utils/environment.py", "launchers/", "commands/", "testing/",
+ENV_ALLOWED = ("config/env.py", "environments/", "base/environment.py", "launchers/", "commands/", "testing/",
                "test_utils/",
-               "strategies/deepspeed.py", "utils/deepspeed_runtime.py")
+               "strategies/deepspeed.py", "base/deepspeed_runtime.py")
 
 
 def _module_name(path: Path) -> str:
@@ -334,3 +337,20 @@ def test_type_checkers_see_every_lazy_export(facade):
              for alias in node.names}
     assert typed == importlib.import_module(facade)._EXPORTS
     assert all(alias.asname == alias.name for node in block.body for alias in node.names)  # explicit re-exports
+
+
+def test_accelerate_utils_modules_are_the_ground_floor_modules_themselves():
+    """``hasten.utils.<m>`` is an alias of ``hasten.base.<m>``: one module object, so patching either patches both."""
+    import importlib
+
+    aliases = [p.stem for p in (SRC / "utils").glob("*.py") if p.stem != "__init__" and (SRC / "base" / p.name).exists()]
+    assert {"dataclasses", "environment", "imports", "modeling", "memory"} <= set(aliases)
+    for name in aliases:
+        assert importlib.import_module(f"hasten.utils.{name}") is importlib.import_module(f"hasten.base.{name}"), name
+    from hasten.utils.dataclasses import DistributedType
+
+    assert DistributedType.__module__ == "hasten.base.dataclasses"
+    # Accelerate's names that hasten defines higher up still resolve at the Accelerate path.
+    from hasten.utils import modeling
+
+    assert callable(modeling.load_checkpoint_in_model)

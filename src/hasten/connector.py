@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-from hasten.config.schema import LaunchConfig
-from hasten.exceptions import ConfigurationError
-from hasten.precision import SUPPORTED, Precision, create_precision
-from hasten.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
-from hasten.utils.dataclasses import (
+from hasten.base.dataclasses import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     DistributedType,
     DynamoBackend,
     GradScalerKwargs,
 )
-from hasten.utils.fp8 import AORecipeKwargs
+from hasten.base.fp8 import AORecipeKwargs
+from hasten.config.schema import LaunchConfig
+from hasten.exceptions import ConfigurationError
+from hasten.precision import SUPPORTED, Precision, create_precision
+from hasten.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ def _fp8_hardware(cpu: bool) -> tuple[bool, tuple[int, int] | None, str]:
 
 def _check_fp8(handlers: Mapping[type, Any], launch: LaunchConfig, cpu: bool) -> str:
     """The fp8 engine for this run, after refusing clearly where it cannot run (names the requirement)."""
+    from hasten.base.imports import is_msamp_available, is_torchao_available, is_transformer_engine_available
     from hasten.precision.fp8 import check_fp8_support, fp8_backend
-    from hasten.utils.imports import is_msamp_available, is_torchao_available, is_transformer_engine_available
 
     backend = fp8_backend(handlers, launch.fp8_config)
     on_cpu, capability, label = _fp8_hardware(cpu)

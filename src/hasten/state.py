@@ -19,6 +19,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from hasten.base.dataclasses import DistributedType, GradientAccumulationPlugin
+from hasten.base.environment import is_env_set, parse_flag_from_env
+from hasten.base.split import split_inputs
 from hasten.config import env as hasten_env
 from hasten.devices import Device, select_device
 from hasten.environments import (
@@ -30,9 +33,6 @@ from hasten.environments import (
 )
 from hasten.environments.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.ops.collectives import barrier
-from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
-from hasten.utils.environment import is_env_set, parse_flag_from_env
-from hasten.utils.split import split_inputs
 
 #: How long a rank may wait in one collective before the watchdog reports every rank and stops the run.
 DEFAULT_TIMEOUT = DEFAULT_BOUND

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from hasten.accelerator._base import AcceleratorBase
+from hasten.base.dataclasses import DistributedType
 from hasten.config.parallelism import resolve_parallelism_config
 from hasten.devices import select_device
 from hasten.environments import current_process_info, process_group
-from hasten.utils.dataclasses import DistributedType
 
 #: The mesh dimensions along which ranks read different batches.
 _DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")

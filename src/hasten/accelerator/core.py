@@ -21,15 +21,7 @@ from hasten.accelerator._parallelism import NDParallelismMixin, resolve_layout, 
 from hasten.accelerator._prepare import PrepareMixin
 from hasten.accelerator._process import ProcessControlMixin
 from hasten.accelerator._tracking import TrackingMixin
-from hasten.config import env as hasten_env
-from hasten.connector import build_parts, resolve_settings
-from hasten.environments.watchdog import TRACKER
-from hasten.exceptions import ConfigurationError
-from hasten.precision import detach_autocast_forward
-from hasten.precision.fp8 import ao_recipe_from_launch
-from hasten.state import AcceleratorState, GradientState
-from hasten.tracking import filter_trackers
-from hasten.utils.dataclasses import (
+from hasten.base.dataclasses import (
     PROFILE_PATTERN_NAME,
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -42,8 +34,16 @@ from hasten.utils.dataclasses import (
     ProfileKwargs,
     ProjectConfiguration,
 )
-from hasten.utils.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
-from hasten.utils.modeling import extract_model_from_parallel
+from hasten.base.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+from hasten.base.modeling import extract_model_from_parallel
+from hasten.config import env as hasten_env
+from hasten.connector import build_parts, resolve_settings
+from hasten.environments.watchdog import TRACKER
+from hasten.exceptions import ConfigurationError
+from hasten.precision import detach_autocast_forward
+from hasten.precision.fp8 import ao_recipe_from_launch
+from hasten.state import AcceleratorState, GradientState
+from hasten.tracking import filter_trackers
 
 _NOT_GIVEN: Any = object()
 _HANDLER_ATTRIBUTES = {
@@ -448,8 +448,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
         """Save ``obj`` once (main process, or each machine's first with ``save_on_each_node``), atomically."""
+        from hasten.base.serialization import save_atomically
         from hasten.state_helpers import writes_shared_files
-        from hasten.utils.serialization import save_atomically
 
         if writes_shared_files(self.project_configuration.save_on_each_node):
             save_atomically(obj, f, safe_serialization=safe_serialization)

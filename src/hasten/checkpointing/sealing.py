@@ -19,7 +19,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from hasten.utils.serialization import fsync_file
+from hasten.base.serialization import fsync_file
 
 _ACTIVE: dict[Path, Sealer] = {}
 _LOCK = threading.Lock()
