@@ -63,7 +63,11 @@ def _train(kind: str, accumulation: int, folder: str, resume: bool) -> tuple[lis
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     loader = DataLoader(_data(), batch_size=per_process, shuffle=True)
     set_seed(100 + world)  # the shuffling seed is drawn here: a resumed run must get its order from the checkpoint
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # A decaying schedule (not under DeepSpeed, whose engine owns schedules): Accelerate steps it once per
+    # process per optimizer step, so a resume on another count must keep the saved rate to follow the same
+    # learning rates.
+    scheduler = None if kind == "deepspeed" else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + 0.2 * s))
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if resume:
         accelerator.load_state(folder)
     steps: list[list[int]] = []
@@ -74,6 +78,8 @@ def _train(kind: str, accumulation: int, folder: str, resume: bool) -> tuple[lis
             with accelerator.accumulate(model):
                 accelerator.backward(nn.functional.mse_loss(model(x), y))
                 optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
                 optimizer.zero_grad()
             window += accelerator.gather(ids).tolist()
             if accelerator.sync_gradients:

@@ -21,9 +21,12 @@ from typing import Any
 import torch
 
 from hasten.base.dataclasses import DistributedType
+from hasten.logging import get_logger
 from hasten.precision import FP16Precision, Precision
 from hasten.state import AcceleratorState, GradientState
 from hasten.strategies import SingleDeviceStrategy, Strategy
+
+logger = get_logger(__name__)
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -202,11 +205,38 @@ class AcceleratedScheduler:
     def get_last_lr(self) -> Any:
         return self.scheduler.get_last_lr()
 
+    def _multiplies(self) -> bool:
+        return self.step_with_optimizer and not self.split_batches and not self._step_once
+
+    def _steps_per_optimizer_step(self) -> int:
+        if self._num_processes is None:
+            self._num_processes = int(AcceleratorState().num_processes)
+        return self._num_processes
+
     def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
+        """The wrapped scheduler's state, plus how many times it advances per optimizer step (see
+        :meth:`load_state_dict`)."""
+        state = self.scheduler.state_dict()
+        if self._multiplies():
+            state = {**state, _RATE_KEY: self._steps_per_optimizer_step()}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
+        """Restore the schedule. A checkpoint saved on another number of processes keeps its rate: the
+        schedule advanced ``saved processes`` times per optimizer step, and goes on doing so, so a run
+        resumed on M processes with the same global batch follows the uninterrupted run's learning rates
+        exactly (stepping M times would run the schedule M/N times faster from the resume on)."""
+        state = dict(state_dict)
+        saved_rate = state.pop(_RATE_KEY, None)
+        self.scheduler.load_state_dict(state)
+        if saved_rate is None or not self._multiplies():
+            return
+        current = self._steps_per_optimizer_step()
+        if int(saved_rate) != current:
+            logger.warning("The learning-rate schedule was saved by %d processes and steps %d times per optimizer "
+                           "step; it keeps that rate on %d processes, so the schedule follows optimizer steps as "
+                           "before the resume.", saved_rate, saved_rate, current)
+            self._num_processes = int(saved_rate)
 
     def get_lr(self) -> Any:
         return self.scheduler.get_lr()
@@ -218,6 +248,11 @@ class AcceleratedScheduler:
         if name in ("scheduler", "__setstate__", "__getstate__"):
             raise AttributeError(name)
         return getattr(self.scheduler, name)
+
+
+#: Key of AcceleratedScheduler's own entry in the saved scheduler state (popped before the wrapped
+#: scheduler sees it).
+_RATE_KEY = "_hasten_steps_per_optimizer_step"
 
 
 def _is_plateau(scheduler: Any) -> bool:
