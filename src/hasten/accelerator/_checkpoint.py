@@ -51,6 +51,7 @@ from hasten.checkpointing.naming import (
 from hasten.checkpointing.rng import derive_rng_state
 from hasten.checkpointing.shards import write_model_files
 from hasten.checkpointing.transaction import Transaction
+from hasten.config.env import worker_group_restart
 from hasten.state_helpers import writes_shared_files
 
 
@@ -248,8 +249,8 @@ class CheckpointMixin(AcceleratorBase):
         if self.project_configuration.automatic_checkpoint_naming and iteration is not None:
             self.project_configuration.iteration = iteration + 1
         self.wait_for_everyone()
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if restart not in ("", "0") and self.is_main_process:
+        restart = worker_group_restart()
+        if restart and self.is_main_process:
             # The launcher logs who left or joined and the new world size; only the workers know which
             # checkpoint the restarted group resumed, so they complete the membership change's log.
             print(f"hasten: the restarted worker group (restart {restart}) resumed from {folder.name} ({folder}), "
