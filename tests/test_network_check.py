@@ -333,3 +333,60 @@ def test_a_machine_reaching_the_loopback_port_from_another_computer_is_refused(l
     assert results[0] == results[1], results  # the same line on both
     assert results[0].startswith("machine 1 (") and f"reaches the rendezvous 127.0.0.1:{port}, a loopback" in results[0]
     assert "does not run on the computer of machine 0" in results[0] and "HINT: pass --main_process_ip" in results[0]
+
+
+def test_a_multi_machine_launcher_marks_itself_present_for_the_whole_launch(monkeypatch):
+    """The mark the loopback waits rely on: made before torchrun's agent (and torch) start, gone after."""
+    import argparse
+
+    from hasten.commands.launch import build_launch_parser, options_from_args, resolve_config
+    from hasten.environments import find_free_port
+    from hasten.launchers import torchrun
+    from hasten.launchers.netsignals import is_present
+    from hasten.launchers.plan import build_plan
+
+    port = find_free_port()
+    args = build_launch_parser(argparse.ArgumentParser()).parse_args(
+        ["--cpu", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip", "127.0.0.1",
+         "--main_process_port", str(port), "--check_network"])
+    plan = build_plan(resolve_config(args, {}), options_from_args(args), {}, device_count=0)
+    seen = []
+    monkeypatch.setattr(torchrun, "_run", lambda plan, options: seen.append(is_present(port, 1)) or 0)
+    assert not is_present(port, 1)
+    assert torchrun.run_torchrun(plan, options_from_args(args)) == 0
+    assert seen == [True] and not is_present(port, 1)
+
+
+def test_machine_0_answers_hellos_and_reads_only_reports_of_its_own_launch():
+    import socket as sockets
+
+    from hasten.environments import find_free_port
+    from hasten.launchers.netsignals import Inbox, Report, ask_host, send_report
+
+    port = find_free_port()
+    inbox = Inbox("127.0.0.1", port, 3)
+    try:
+        with sockets.socket(sockets.AF_INET, sockets.SOCK_DGRAM) as stray:
+            stray.sendto(b"not json", ("127.0.0.1", port))
+        send_report("127.0.0.1", port + 1, Report(1, "h", "a", "failed", "x"))  # another launch's port
+        for rank in (0, 3):  # machine 0 itself, and a rank this launch does not have
+            send_report("127.0.0.1", port, Report(rank, "h", "a", "failed", "no answer"))
+        assert inbox.poll() is None
+        answered, polled, stop = [], [], threading.Event()
+
+        def serve():  # machine 0's check polls its inbox while it waits
+            while not stop.is_set():
+                polled.append(inbox.poll())
+                time.sleep(0.01)
+
+        server = threading.Thread(target=serve)
+        server.start()
+        answered.append(ask_host("127.0.0.1", port, Report(2, "h", "a", "hello"), 10))
+        stop.set()
+        server.join(10)
+        assert answered == [True] and polled and not any(polled)  # a hello is answered, never reported
+        send_report("127.0.0.1", port, Report(2, "m2", "10.0.0.2", "failed", "refused"))
+        assert inbox.poll() == Report(2, "m2", "10.0.0.2", "failed", "refused")
+    finally:
+        inbox.close()
+    assert not ask_host("127.0.0.1", port, Report(2, "h", "a", "hello"), 0.2)  # nobody answers any more
