@@ -13,6 +13,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -100,6 +101,36 @@ def _wait_for(paths, procs, timeout=180):
         time.sleep(0.1)
 
 
+class _Lines:
+    """A launcher's output, read as it comes (a thread), so that the test can wait for one line."""
+
+    def __init__(self, proc):
+        self.proc, self.lines, self.changed = proc, [], threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line.rstrip("\n"))
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append("")  # end of output
+            self.changed.notify_all()
+
+    def wait_for(self, text, timeout=120):
+        with self.changed:
+            assert self.changed.wait_for(lambda: any(text in line for line in self.lines), timeout), self.text()
+
+    def finish(self, timeout):
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=30)
+        return self.text()
+
+    def text(self):
+        return "\n".join(self.lines)
+
+
 def _resume_in_rank(script, project, output):
     torch.set_num_threads(1)  # as the launched workers (OMP_NUM_THREADS=1): the same float reductions
     runpy.run_path(script)["main"](project, output, "-")
@@ -111,15 +142,21 @@ def test_a_killed_machine_leaves_and_the_others_resume_the_newest_checkpoint_exa
     script.write_text(SCRIPT)
     gate.mkdir()
     with simulated_machines(3) as machines:
-        procs = []
-        for rank, machine in enumerate(machines):
-            argv = [sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_machines", "2:3",
-                    "--machine_rank", str(rank), "--num_processes", "3", "--main_process_ip", machines[0].ip,
-                    "--main_process_port", "29531", "--rdzv_conf",
-                    "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
-                    str(script), str(project), str(weights), str(gate)]
-            procs.append(machine.popen(argv, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs, watched = [None, None, None], [None, None, None]
+        # Machines 2 and 1 first, machine 0 (the rendezvous host) once they wait for it: all three then join
+        # the first round within a second, whatever the load (a round forms 2 s after MIN machines are in).
         try:
+            for rank in (2, 1, 0):
+                argv = [sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_machines", "2:3",
+                        "--machine_rank", str(rank), "--num_processes", "3", "--main_process_ip", machines[0].ip,
+                        "--main_process_port", "29531", "--rdzv_conf",
+                        "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
+                        str(script), str(project), str(weights), str(gate)]
+                procs[rank] = machines[rank].popen(argv, env=_env(tmp_path), stdout=subprocess.PIPE,
+                                                   stderr=subprocess.STDOUT)
+                watched[rank] = _Lines(procs[rank])
+                if rank:
+                    watched[rank].wait_for("hasten launch: checking the network")
             started = time.monotonic()
             _wait_for([gate / f"ready{r}" for r in range(3)], procs)
             ready = time.monotonic()
@@ -128,11 +165,12 @@ def test_a_killed_machine_leaves_and_the_others_resume_the_newest_checkpoint_exa
             shutil.copytree(newest, checkpoints_root(tmp_path / "reference") / newest.name)
             machines[2].kill()  # the machine dies, with its launcher and workers
             (gate / "go").touch()
-            outs = [proc.communicate(timeout=240)[0] for proc in procs[:2]]
+            outs = [lines.finish(timeout=240) for lines in watched[:2]]
             finished = time.monotonic()
         finally:
             for proc in procs:
-                proc.kill()
+                if proc is not None:
+                    proc.kill()
     text = "\n---\n".join(outs)
     assert [p.returncode for p in procs[:2]] == [0, 0], text
     print(f"MIN:MAX resume: 3 workers at step 5 after {ready - started:.1f} s; the 2 machines left finished "

@@ -309,15 +309,16 @@ class _Meeting:
         """
         keys = [f"{_PREFIX}{kind}/{r}" for r in range(self.nnodes)]
         host, _, port = self.endpoint.rpartition(":")
+
+        def missing_ranks() -> list[int]:
+            return [r for r, key in enumerate(keys) if not self.store.check([key])]
+
         while not self.store.check(keys):
             if self.store.check([_PREFIX + "abort"]):
                 raise NetworkCheckFailed(self.store.get(_PREFIX + "abort").decode())
             report = self.inbox.poll() if self.inbox is not None else None
             if report is not None:
                 raise self.abort(_reported_problem(report, host, int(port)))
-            def missing_ranks() -> list[int]:
-                return [r for r, key in enumerate(keys) if not self.store.check([key])]
-
             if time.monotonic() >= deadline if deadline is not None else self.waiting.over(missing_ranks):
                 missing = [str(r) for r in missing_ranks()]
                 if self.loopback and deadline is None and time.monotonic() < self.waiting.deadline:
