@@ -14,6 +14,7 @@ A save becomes visible only when complete; a load checks every file before chang
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from hasten.checkpointing.naming import (
 from hasten.checkpointing.rng import derive_rng_state
 from hasten.checkpointing.shards import write_model_files
 from hasten.checkpointing.transaction import Transaction
+from hasten.config.env import worker_group_restart
 from hasten.state_helpers import writes_shared_files
 
 
@@ -247,6 +249,13 @@ class CheckpointMixin(AcceleratorBase):
         if self.project_configuration.automatic_checkpoint_naming and iteration is not None:
             self.project_configuration.iteration = iteration + 1
         self.wait_for_everyone()
+        restart = worker_group_restart()
+        if restart and self.is_main_process:
+            # The launcher logs who left or joined and the new world size; only the workers know which
+            # checkpoint the restarted group resumed, so they complete the membership change's log.
+            print(f"hasten: the restarted worker group (restart {restart}) resumed from {folder.name} ({folder}), "
+                  f"saved by {plan['saved_processes']} processes, now {self.num_processes}", file=sys.stderr,
+                  flush=True)
         return folder
 
     def _map_location(self, value: Any) -> Any:
@@ -305,6 +314,7 @@ class CheckpointMixin(AcceleratorBase):
         if self._precision.scaler is not None and (folder / ckpt.SCALER).is_file():
             plan["scaler"] = ckpt.torch_load(folder / ckpt.SCALER)
         plan["warning"] = checks.check_process_count(folder, manifest, self.num_processes, plan["loaders"])
+        plan["saved_processes"] = checks.saved_process_count(folder, manifest)
         checks.check_loader_states(folder, self._dataloaders, plan["loaders"])
         rng_path, derive = checks.rng_source(folder, manifest, self.process_index, self.num_processes)
         if not rng_path.is_file():

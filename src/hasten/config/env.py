@@ -167,6 +167,14 @@ def log_level(env: Mapping[str, str] | None = None) -> str | None:
     return _env(env).get(LOG_LEVEL_VAR)
 
 
+def worker_group_restart(env: Mapping[str, str] | None = None) -> int:
+    """How many times torchrun's agent restarted this worker group (``TORCHELASTIC_RESTART_COUNT``; 0 if unset)."""
+    try:
+        return int(_env(env).get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
 def test_start_method(env: Mapping[str, str] | None = None) -> str:
     """How the test harness starts ranks: ``fork`` (default, fast) or ``spawn`` (``HASTEN_TEST_START_METHOD``)."""
     return _env(env).get("HASTEN_TEST_START_METHOD", "fork")

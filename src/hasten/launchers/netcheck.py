@@ -5,19 +5,29 @@ Each machine's launcher checks, in this order:
 1. its own settings: the interface gloo will use (``GLOO_SOCKET_IFNAME``, else the one hasten picks)
    exists, is up and carries an IPv4 address that is not loopback; ``NCCL_SOCKET_IFNAME``, when set on a
    GPU run, selects a usable interface. A loopback ``--main_process_ip`` is right only when every
-   "machine" runs on this computer: then the machines get LOOPBACK_WAIT seconds to meet, else the line
-   says that the address is the mistake;
+   "machine" runs on this computer (see "Loopback" below);
 2. that the rendezvous endpoint (``--main_process_ip:--main_process_port``) answers a TCP connection.
-   "Refused" means machine 0 has not started yet and is retried until the rendezvous timeout; no answer
-   at all (a firewall drops the port) or no route fails within seconds;
+   "Refused" means machine 0 has not started yet and is retried until the rendezvous timeout, unless
+   machine 0's check answers over UDP (then a firewall rejects the port); no answer at all (a firewall
+   drops the port) or no route fails within seconds, and is reported to machine 0 over UDP;
 3. then the machines meet in torch's ``TCPStore`` (the one machine 0's launcher already hosts for the
    rendezvous): each publishes where its collectives will listen (a socket bound like gloo's, on the
    interface's address, port 0), probes every peer's socket with a TCP connection, and publishes what
    failed.
 
 The first problem found is written to the store once (``compare_set``), so every machine that reached
-the store prints the same line and stops; a machine that cannot reach the store stops with its own line.
-Only sockets and torch's store are used: no rendezvous or collective of hasten's own.
+the store prints the same line and stops; a machine that cannot reach the store stops with its own line
+and reports it to machine 0 over UDP (:mod:`hasten.launchers.netsignals`), which stops with a line
+naming that machine. Only sockets and torch's store are used: no rendezvous or collective of hasten's own.
+
+Loopback: ``127.0.0.1`` reaches only the processes of this computer's network namespace, so with a
+loopback address the machines meet only if they all run here. A machine that waits for another one
+asks whether that machine's launcher runs here (:func:`~hasten.launchers.netsignals.is_present`, which
+each launcher marks when it starts): if so it waits as long as the rendezvous allows, however late that
+machine is; if not, it gives up after LOOPBACK_WAIT seconds with the line that names the address as the
+mistake (Kubernetes pods given ``MASTER_ADDR=127.0.0.1``). When the machines meet, they compare their
+host identity (boot id and network namespace): a machine that reached the loopback port from another
+computer (a tunnel) is refused. None of this adds a wait to a check that passes.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -41,6 +51,7 @@ from hasten.environments.network import (
     nccl_interfaces,
 )
 from hasten.exceptions import LaunchError
+from hasten.launchers.netsignals import Inbox, Report, ask_host, host_identity, is_present, send_report
 
 __all__ = ["NetworkCheckFailed", "PeerInfo", "check_network", "collective_address", "rendezvous_timeout"]
 
@@ -49,7 +60,7 @@ PROBE_TIMEOUT = 3.0
 #: Unanswered attempts in a row after which the rendezvous endpoint counts as dropped by a firewall.
 SILENT_LIMIT = 2
 #: A loopback --main_process_ip is only right when every "machine" runs on this one (a test of a
-#: multi-machine launch on one computer), where they all start at once: the others get this long.
+#: multi-machine launch on one computer): a machine whose launcher does not run here gets this long.
 LOOPBACK_WAIT = 6.0
 #: Once every machine arrived: how long the peers' probe results (and acknowledgements) may take.
 RESULT_WAIT = 10.0
@@ -72,6 +83,7 @@ class PeerInfo:
     address: str
     port: int
     interface: str
+    host_id: str = ""  # boot id and network namespace (netsignals.host_identity)
 
     def __str__(self) -> str:
         return f"machine {self.rank} ({self.host})"
@@ -132,12 +144,40 @@ def _nccl_problem(me: str, env: Mapping[str, str], interfaces: dict[str, list[st
             "set NCCL_SOCKET_IFNAME to the interface of the network the machines share, or leave it unset")
 
 
+_LOOPBACK_HINT = ("HINT: pass --main_process_ip with machine 0's address on the network the machines share (in "
+                  "Kubernetes the main pod's IP or service name, never 127.0.0.1 or localhost), the same on every "
+                  "machine")
+
+
 def loopback_problem(master_addr: str, port: int, rank: int, what: str) -> str:
     """The line for a loopback ``--main_process_ip`` where the machines did not meet within LOOPBACK_WAIT."""
     return (f"{_me(rank)}: --main_process_ip {master_addr} is a loopback address, so every machine must run on this "
-            f"one, but {what} within {LOOPBACK_WAIT:g} s (port {port}). HINT: pass --main_process_ip with machine 0's "
-            "address on the network the machines share (in Kubernetes the main pod's IP or service name, never "
-            "127.0.0.1 or localhost), the same on every machine")
+            f"one, but {what} within {LOOPBACK_WAIT:g} s and no launcher of it runs on this machine (port {port}). "
+            f"{_LOOPBACK_HINT}")
+
+
+@dataclass
+class Waiting:
+    """How long a machine waits for the others: the rendezvous timeout, or LOOPBACK_WAIT for a loopback
+    address when a machine it waits for does not run on this computer (see the module docstring)."""
+
+    port: int
+    deadline: float
+    loopback: bool = False
+    window: float = 0.0  # when LOOPBACK_WAIT is over
+
+    @classmethod
+    def start(cls, port: int, timeout: float, loopback: bool) -> Waiting:
+        """Waiting that starts now."""
+        now = time.monotonic()
+        return cls(port, now + timeout, loopback, now + min(timeout, LOOPBACK_WAIT))
+
+    def over(self, missing: Callable[[], list[int]]) -> bool:
+        """Whether to stop waiting for the machines that ``missing()`` lists (asked only past the window)."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            return True
+        return self.loopback and now >= self.window and not all(is_present(self.port, r) for r in missing())
 
 
 def _connect(address: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | None:
@@ -153,14 +193,24 @@ def _connect(address: str, port: int, timeout: float = PROBE_TIMEOUT) -> str | N
         return exc.strerror or str(exc)
 
 
-def reach_endpoint(master_addr: str, port: int, rank: int, deadline: float, loopback: bool = False) -> None:
-    """Wait until ``master_addr:port`` accepts a TCP connection; refused ones are retried until ``deadline``.
+def reach_endpoint(master_addr: str, port: int, rank: int, waiting: Waiting, address: str = "?") -> None:
+    """Wait until ``master_addr:port`` accepts a TCP connection; refused ones are retried while ``waiting``.
+
+    A machine other than 0 that fails reports it to machine 0 over UDP (it cannot reach the store);
+    ``address`` is the one it advertises, for that report.
 
     Raises:
         NetworkCheckFailed: no answer twice in a row, no route, refused on machine 0 (which hosts the
-            endpoint itself), or still refused at ``deadline``.
+            endpoint itself), refused while machine 0's check runs (a rule rejects the port), or still
+            refused when the wait is over.
     """
     me, silent, where = _me(rank), 0, f"{master_addr}:{port}"
+
+    def failed(reason: str, line: str) -> NetworkCheckFailed:
+        if rank != 0:  # machine 0 hosts the store and waits there: tell it, so that it stops as well
+            send_report(master_addr, port, Report(rank, socket.gethostname(), address, "failed", reason))
+        return NetworkCheckFailed(line)
+
     while True:
         reason = _connect(master_addr, port)
         if reason is None:
@@ -169,26 +219,32 @@ def reach_endpoint(master_addr: str, port: int, rank: int, deadline: float, loop
             silent += 1
             if silent < SILENT_LIMIT:
                 continue
-            raise NetworkCheckFailed(
-                f"{me} gets no answer from the rendezvous endpoint {where} ({SILENT_LIMIT} tries, {reason} each): a "
-                f"firewall drops TCP port {port} there, or --main_process_ip is not machine 0's address. "
-                f"{_FIREWALL_HINT}, and check --main_process_ip/--main_process_port")
+            raise failed(reason, f"{me} gets no answer from the rendezvous endpoint {where} ({SILENT_LIMIT} tries, "
+                                 f"{reason} each): a firewall drops TCP port {port} there, or --main_process_ip is "
+                                 f"not machine 0's address. {_FIREWALL_HINT}, and check "
+                                 "--main_process_ip/--main_process_port")
         if reason != "refused":
-            raise NetworkCheckFailed(f"{me} cannot reach the rendezvous endpoint {where} ({reason}). HINT: check "
-                                     "--main_process_ip (machine 0's address on the network the machines share) "
-                                     "and this machine's routes")
+            raise failed(reason, f"{me} cannot reach the rendezvous endpoint {where} ({reason}). HINT: check "
+                                 "--main_process_ip (machine 0's address on the network the machines share) and this "
+                                 "machine's routes")
         if rank == 0:  # its own launcher listens there already
             raise NetworkCheckFailed(
                 f"{me} hosts the rendezvous, but {where} refuses connections: --main_process_ip {master_addr} is not "
                 f"an address of machine 0 (it has {', '.join(sorted(local_addresses()))}). HINT: pass machine 0's "
                 "own address as --main_process_ip on every machine")
-        if time.monotonic() >= deadline and loopback:
+        if waiting.over(lambda: [0]) and waiting.loopback and time.monotonic() < waiting.deadline:
             raise NetworkCheckFailed(loopback_problem(master_addr, port, rank, "nothing listens there on this machine"))
-        if time.monotonic() >= deadline:
+        if waiting.over(lambda: [0]):
             raise NetworkCheckFailed(
                 f"the machines could not meet at {where}: {me} was refused there until the rendezvous timeout. "
                 "HINT: start machine 0 with the same --main_process_ip/--main_process_port and --num_machines")
-        time.sleep(0.5)  # machine 0 has not started yet: its launcher will listen shortly
+        # Machine 0 may not have started yet. Ask its check over UDP (the answer or 0.5 s paces the retries):
+        # when it runs, its launcher listened on the port before, so a refusal now comes from a firewall rule.
+        if ask_host(master_addr, port, Report(rank, socket.gethostname(), address, "hello"), 0.5) and \
+                _connect(master_addr, port) == "refused":
+            raise failed("refused", f"{me} is refused by the rendezvous endpoint {where} although machine 0's launcher "
+                                    f"runs there (its network check answered over UDP port {port}): a firewall "
+                                    f"rejects TCP port {port}. {_FIREWALL_HINT}")
 
 
 @contextlib.contextmanager
@@ -216,28 +272,56 @@ def _probe_message(me: PeerInfo, peer: PeerInfo, reason: str) -> str:
             f"{reason}; {hint}")
 
 
+def _reported_problem(report: Report, master_addr: str, port: int) -> str:
+    """Machine 0's line for a machine that told it over UDP that it cannot connect to the rendezvous port."""
+    peer, where = f"machine {report.rank} ({report.host}, {report.address})", f"{master_addr}:{port}"
+    if report.reason.startswith("no answer"):
+        what, hint = (f"gets no answer from it ({report.reason}): a firewall on {_me(0)} or between the machines drops "
+                      f"TCP port {port}", f"{_FIREWALL_HINT}, and check --main_process_ip/--main_process_port")
+    elif report.reason == "refused":
+        what, hint = (f"is refused there although this launcher listens: a firewall rejects TCP port {port}",
+                      _FIREWALL_HINT)
+    else:
+        what, hint = (f"cannot reach it ({report.reason})", f"HINT: check the routes of machine {report.rank} to "
+                      f"{master_addr} and that --main_process_ip is machine 0's address on the network they share")
+    return (f"{_me(0)} hosts the rendezvous endpoint {where}, but {peer} {what} (machine {report.rank} said so over UDP "
+            f"port {port}). {hint}")
+
+
 class _Meeting:
     """The check's keys in torch's store: publish, wait for the others, and stop all at the first problem."""
 
-    def __init__(self, store: Any, rank: int, nnodes: int, endpoint: str, loopback: bool) -> None:
+    def __init__(self, store: Any, rank: int, nnodes: int, endpoint: str, waiting: Waiting,
+                 inbox: Inbox | None = None) -> None:
         self.store, self.rank, self.nnodes, self.endpoint = store, rank, nnodes, endpoint
-        self.loopback = loopback  # a loopback --main_process_ip: see LOOPBACK_WAIT
+        self.waiting, self.inbox = waiting, inbox  # machine 0 reads the others' UDP reports in ``inbox``
+        self.loopback = waiting.loopback
 
     def abort(self, line: str) -> NetworkCheckFailed:
         """Record ``line`` as the problem (the first one recorded wins); return the error to raise."""
         first = self.store.compare_set(_PREFIX + "abort", "", line)
         return NetworkCheckFailed(first.decode() if isinstance(first, bytes) else str(first))
 
-    def wait_for(self, kind: str, deadline: float) -> list[bytes]:
-        """The values every machine published under ``kind``, or raise the recorded problem / a timeout."""
+    def wait_for(self, kind: str, deadline: float | None = None) -> list[bytes]:
+        """The values every machine published under ``kind``, or raise the recorded problem / a timeout.
+
+        Without ``deadline``, the machines are waited for as :class:`Waiting` says (they are arriving).
+        """
         keys = [f"{_PREFIX}{kind}/{r}" for r in range(self.nnodes)]
+        host, _, port = self.endpoint.rpartition(":")
+
+        def missing_ranks() -> list[int]:
+            return [r for r, key in enumerate(keys) if not self.store.check([key])]
+
         while not self.store.check(keys):
             if self.store.check([_PREFIX + "abort"]):
                 raise NetworkCheckFailed(self.store.get(_PREFIX + "abort").decode())
-            if time.monotonic() >= deadline:
-                missing = [str(r) for r, key in enumerate(keys) if not self.store.check([key])]
-                host, _, port = self.endpoint.rpartition(":")
-                if self.loopback:
+            report = self.inbox.poll() if self.inbox is not None else None
+            if report is not None:
+                raise self.abort(_reported_problem(report, host, int(port)))
+            if time.monotonic() >= deadline if deadline is not None else self.waiting.over(missing_ranks):
+                missing = [str(r) for r in missing_ranks()]
+                if self.loopback and deadline is None and time.monotonic() < self.waiting.deadline:
                     raise self.abort(loopback_problem(host, int(port), self.rank,
                                                       f"machine(s) {', '.join(missing)} did not arrive"))
                 raise self.abort(
@@ -294,35 +378,38 @@ def check_network(bind_addr: str, master_addr: str, port: int, rank: int, nnodes
     Raises:
         NetworkCheckFailed: one line naming the machine, the address/port and the likely fix.
     """
-    deadline = time.monotonic() + (min(timeout, LOOPBACK_WAIT) if is_loopback(bind_addr) else timeout)
-    address, interface, problem = collective_address(bind_addr, master_addr, rank, env)
-    try:
-        reach_endpoint(master_addr, port, rank, deadline, loopback=is_loopback(bind_addr))
-    except NetworkCheckFailed:
-        if problem:
-            raise NetworkCheckFailed(problem) from None  # this machine's own mistake explains it better
-        raise
-    if not meet:
-        if problem:
-            raise NetworkCheckFailed(problem)
-        return [PeerInfo(rank, socket.gethostname(), address, 0, interface)]
-    meeting = _Meeting(_store_client(master_addr, port, rank), rank, nnodes, f"{master_addr}:{port}",
-                       is_loopback(bind_addr))
-    try:
-        return _meet(meeting, address, interface, problem, deadline)
-    except NetworkCheckFailed:
-        # Machine 0 hosts the store: it stays until every machine that arrived has read the problem.
-        with contextlib.suppress(RuntimeError):  # the store may be gone already (machine 0 stopped)
-            meeting.store.add(_PREFIX + "stopped", 1)
-            meeting.linger("stopped", int(meeting.store.add(_PREFIX + "arrived", 0)))
-        raise
-    except RuntimeError as exc:  # torch's DistNetworkError/DistStoreError: the store went away
-        raise NetworkCheckFailed(f"{_me(rank)} lost the rendezvous store at {master_addr}:{port} during the network "
-                                 f"check ({type(exc).__name__}: {exc}): machine 0's launcher stopped. HINT: see "
-                                 "machine 0's output") from exc
+    waiting = Waiting.start(port, timeout, is_loopback(bind_addr))
+    with contextlib.ExitStack() as stack:
+        # Machine 0 reads the others' UDP reports while it waits for them (opened before anyone reports).
+        inbox = stack.enter_context(contextlib.closing(Inbox(bind_addr, port, nnodes))) if rank == 0 and meet else None
+        address, interface, problem = collective_address(bind_addr, master_addr, rank, env)
+        try:
+            reach_endpoint(master_addr, port, rank, waiting, address)
+        except NetworkCheckFailed:
+            if problem:
+                raise NetworkCheckFailed(problem) from None  # this machine's own mistake explains it better
+            raise
+        if not meet:
+            if problem:
+                raise NetworkCheckFailed(problem)
+            return [PeerInfo(rank, socket.gethostname(), address, 0, interface, host_identity())]
+        meeting = _Meeting(_store_client(master_addr, port, rank), rank, nnodes, f"{master_addr}:{port}", waiting,
+                           inbox)
+        try:
+            return _meet(meeting, address, interface, problem)
+        except NetworkCheckFailed:
+            # Machine 0 hosts the store: it stays until every machine that arrived has read the problem.
+            with contextlib.suppress(RuntimeError):  # the store may be gone already (machine 0 stopped)
+                meeting.store.add(_PREFIX + "stopped", 1)
+                meeting.linger("stopped", int(meeting.store.add(_PREFIX + "arrived", 0)))
+            raise
+        except RuntimeError as exc:  # torch's DistNetworkError/DistStoreError: the store went away
+            raise NetworkCheckFailed(f"{_me(rank)} lost the rendezvous store at {master_addr}:{port} during the "
+                                     f"network check ({type(exc).__name__}: {exc}): machine 0's launcher stopped. "
+                                     "HINT: see machine 0's output") from exc
 
 
-def _meet(meeting: _Meeting, address: str, interface: str, problem: str | None, deadline: float) -> list[PeerInfo]:
+def _meet(meeting: _Meeting, address: str, interface: str, problem: str | None) -> list[PeerInfo]:
     store, rank = meeting.store, meeting.rank
     store.add(_PREFIX + "arrived", 1)
     if int(store.add(f"{_PREFIX}rank/{rank}", 1)) > 1:
@@ -331,9 +418,15 @@ def _meet(meeting: _Meeting, address: str, interface: str, problem: str | None, 
     if problem:
         raise meeting.abort(problem)
     with _listener(address) as sock:
-        me = PeerInfo(rank, socket.gethostname(), address, sock.getsockname()[1], interface)
+        me = PeerInfo(rank, socket.gethostname(), address, sock.getsockname()[1], interface, host_identity())
         store.set(f"{_PREFIX}peer/{rank}", json.dumps(asdict(me)))
-        peers = [PeerInfo(**json.loads(raw)) for raw in meeting.wait_for("peer", deadline)]
+        peers = [PeerInfo(**json.loads(raw)) for raw in meeting.wait_for("peer")]
+        elsewhere = [peer for peer in peers if peer.host_id != peers[0].host_id]
+        if meeting.loopback and elsewhere:
+            raise meeting.abort(f"{elsewhere[0]} reaches the rendezvous {meeting.endpoint}, a loopback address, but does "
+                                f"not run on the computer of machine 0 (another boot id or network namespace: a "
+                                f"tunnel or a forwarded port?), so the collectives cannot meet on loopback. "
+                                f"{_LOOPBACK_HINT}")
         failures = _probe_all(me, peers)
         if failures:
             raise meeting.abort(failures[0])

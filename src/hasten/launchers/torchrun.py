@@ -60,6 +60,17 @@ def _added_environment(extra: Mapping[str, str]) -> Any:
 
 def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
     """Run the plan under the elastic agent; return the exit code (the failed worker's, if any)."""
+    from hasten.launchers.netsignals import present
+
+    with contextlib.ExitStack() as stack:
+        if plan.nnodes > 1:
+            # Marked now, seconds before the network check (torch is not imported yet): with a loopback
+            # address, the other machines' checks then know that this one runs here and is only starting.
+            stack.enter_context(present(plan.master_port, plan.node_rank))
+        return _run(plan, options)
+
+
+def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
