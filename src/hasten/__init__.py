@@ -49,6 +49,7 @@ _EXPORTS = {
     "prepare_pippy": "hasten.inference",
     "install_as_accelerate": "hasten._accelerate_alias",
     "uninstall_as_accelerate": "hasten._accelerate_alias",
+    "PREEMPTED_EXIT_CODE": "hasten.environments.preemption",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names resolve on first use
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         load_checkpoint_in_model as load_checkpoint_in_model,
     )
     from hasten.config.plugins.deepspeed import DeepSpeedPlugin as DeepSpeedPlugin
+    from hasten.environments.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
     from hasten.data import (
         prepare_data_loader as prepare_data_loader,
