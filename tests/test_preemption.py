@@ -22,6 +22,7 @@ from torch import nn
 from hasten import PREEMPTED_EXIT_CODE
 from hasten.environments import preemption
 from hasten.testing import run_on_ranks
+from hasten.testing.distributed import RankFailed
 
 SIGNAL_AT = 9  # the signal arrives inside the 9th micro-batch of the signalled rank
 
@@ -130,18 +131,48 @@ def _stop_and_resume(tmp_path, full, world_size, auto, sig=signal.SIGTERM, env=N
 
 
 def test_signal_to_one_rank_stops_all_at_one_step_saves_and_resumes_exactly(tmp_path, full_run):
-    _stop_and_resume(tmp_path, full_run, 2, auto=True)
+    # Inside a SLURM job, one process requeues it once the checkpoint is published (a stand-in scontrol).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\n[ \"$1\" = show ] && echo 'JobId=42 Requeue=1 Restarts=0' && exit 0\n"
+                        f"ls {tmp_path / 'run' / 'checkpoints'} >> {tmp_path / 'requeued'}; echo \"$@\" >> "
+                        f"{tmp_path / 'requeued'}\n")
+    scontrol.chmod(0o755)
+    env = {"SLURM_JOB_ID": "42", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    _stop_and_resume(tmp_path / "run", full_run, 2, auto=True, env=env)
+    assert (tmp_path / "requeued").read_text().split("\n") == ["checkpoint_0", "requeue 42", ""]
 
 
-def test_one_process_stops_saves_and_resumes_exactly(tmp_path):
-    full = run_on_ranks(_train, world_size=1, args=(str(tmp_path / "full"), None, False, True, 0))
-    _stop_and_resume(tmp_path / "run", full, 1, auto=True)
+def test_one_process_stops_after_the_next_step_and_saves(tmp_path):
+    # No store: the watcher decides alone (S = its step count + 1). The resume is the 2-rank tests' business.
+    [(losses, end)] = run_on_ranks(_train, world_size=1, args=(str(tmp_path), ("kill", 0, signal.SIGTERM), False, True,
+                                                                 SIGNAL_AT))
+    assert end[0] == "stopped" and end[1] == end[2] >= SIGNAL_AT // 2 and end[3] == PREEMPTED_EXIT_CODE
+    assert len(losses) == 2 * end[1] and sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0"]
 
 
 def test_without_a_project_folder_preemption_requested_tells_the_loop(tmp_path, full_run):
     # and hasten launch --preemption_signal USR1 reaches the workers through HASTEN_LAUNCH_CONFIG
     env = {"HASTEN_LAUNCH_CONFIG": json.dumps({"preemption_signal": "USR1"})}
     _stop_and_resume(tmp_path, full_run, 2, auto=False, sig=signal.SIGUSR1, env=env)
+
+
+def _ignores_the_flag():
+    accelerator, model, optimizer, loader, scheduler = _NS["build"](None, False)
+    for index, (x, y) in enumerate(loader):
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if index == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return "the loop ran to its end"
+
+
+def test_a_loop_that_never_reads_the_flag_ends_as_the_signal_would():
+    # Without automatic naming and without `preemption_requested` in the loop, SIGTERM must not be swallowed.
+    with pytest.raises(RankFailed, match="terminated with signal SIGTERM"):
+        run_on_ranks(_ignores_the_flag, world_size=1)
 
 
 def _profiled_steps(n):
@@ -230,3 +261,34 @@ def test_signal_names_and_refusals():
     assert preemption.signal_number(str(int(signal.SIGUSR1))) is signal.SIGUSR1
     with pytest.raises(ValueError, match="not a signal name"):
         preemption.signal_number("NOPE")
+
+
+class _Done:
+    def __init__(self, code=0, out="", err=""):
+        self.returncode, self.stdout, self.stderr = code, out, err
+
+
+def test_slurm_requeue_decision():
+    from hasten.environments.slurm import requeue_job
+
+    calls = []
+
+    def scontrol(answers):
+        def run(argv, **kwargs):
+            calls.append(argv[1:])
+            answer = answers.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+        return run
+
+    assert requeue_job({}, scontrol([])) is None and calls == []  # not a SLURM job: nothing to do
+    message = requeue_job({"SLURM_JOB_ID": "7"}, scontrol([_Done(out="JobId=7 Requeue=1"), _Done()]))
+    assert calls == [["show", "job", "7"], ["requeue", "7"]] and "requeued" in message
+    calls.clear()
+    message = requeue_job({"SLURM_JOB_ID": "7"}, scontrol([_Done(out="JobId=7 Requeue=0 Restarts=0")]))
+    assert calls == [["show", "job", "7"]] and "Requeue=0" in message and "--requeue" in message
+    message = requeue_job({"SLURM_JOB_ID": "7"}, scontrol([_Done(), _Done(1, err="Access/permission denied")]))
+    assert message == "SLURM refused to requeue job 7: Access/permission denied"
+    message = requeue_job({"SLURM_JOB_ID": "7"}, scontrol([FileNotFoundError(2, "No such file", "scontrol")]))
+    assert message.startswith("could not requeue SLURM job 7")

@@ -70,12 +70,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         load_checkpoint_in_model as load_checkpoint_in_model,
     )
     from hasten.config.plugins.deepspeed import DeepSpeedPlugin as DeepSpeedPlugin
-    from hasten.environments.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin as FullyShardedDataParallelPlugin
     from hasten.data import (
         prepare_data_loader as prepare_data_loader,
         skip_first_batches as skip_first_batches,
     )
+    from hasten.environments.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from hasten.inference import prepare_pippy as prepare_pippy
     from hasten.launchers.notebook import (
         debug_launcher as debug_launcher,

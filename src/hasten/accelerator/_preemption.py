@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import weakref
 from pathlib import Path
-from typing import Any
 
 from hasten.accelerator._base import AcceleratorBase
 from hasten.config import env as hasten_env
@@ -36,6 +35,7 @@ class PreemptionMixin(AcceleratorBase):
             ...         accelerator.save_state("ckpt")
             ...         break
         """
+        PREEMPTION.acknowledged = True  # the loop handles preemption itself: the signal must not end the process
         return PREEMPTION.requested
 
     def _arm_preemption(self) -> None:

@@ -59,6 +59,7 @@ class _Preemption:
         """Forget any request (tests, ``reset_state``); the signal handler is left in place."""
         self.pending = False  # the one flag read after every optimizer step
         self.requested = False  # True from the end of step S on (Accelerator.preemption_requested)
+        self.acknowledged = False  # the script read `preemption_requested` at least once
         self.save_due = False  # the data loader's one flag: an automatic checkpoint is due at its next batch
         self.steps = 0  # optimizer steps done by the main thread
         self.stop_step: int | None = None
@@ -67,6 +68,7 @@ class _Preemption:
         self.local = threading.Event()  # set by the signal handler
         self.decided = threading.Event()  # set by the watcher once stop_step is known
         self.stop_action: Callable[[], Any] | None = None
+        self.end_group: Callable[[], None] | None = None
         self.exit_code = PREEMPTED_EXIT_CODE
         self.marker_dir: str | None = None
 
@@ -80,16 +82,28 @@ class _Preemption:
             return
         if self.stop_step is not None and self.steps >= self.stop_step and not self.requested:
             self.requested = True
-            self.save_due = self.stop_action is not None
+            self.save_due = True
+            if self.marker_dir and self.acknowledged:  # a loop that saves by itself: hasten launch reports the stop
+                _write_marker(self.marker_dir, _rank(), "(saved by the script)")
 
     def at_boundary(self) -> None:
-        """Called by a prepared data loader before its next batch while ``save_due``: checkpoint and exit."""
+        """Called by a prepared data loader before its next batch while ``save_due``: checkpoint and exit.
+
+        Without automatic checkpoint naming the user's loop decides (``preemption_requested``); a loop
+        that never asked gets the signal's own effect back (the process ends as it would have).
+        """
         self.save_due = False
         action = self.stop_action
         target = action() if action is not None else None
-        if target is None:  # no automatic checkpoint naming: the user's loop reads `preemption_requested`
-            return
-        finish(target, rank=_rank())
+        if target is not None:
+            finish(target, rank=_rank())
+        if not self.acknowledged:
+            logger.warning("hasten: %s received but the script has no automatic checkpoint naming and never reads "
+                           "accelerator.preemption_requested: ending the process as the signal would",
+                           self.signal_name)
+            sig = _RUNNING["handled"][0] if _RUNNING["handled"] else signal.SIGTERM
+            disarm()
+            os.kill(os.getpid(), sig)
 
 
 PREEMPTION = _Preemption()
@@ -103,7 +117,6 @@ def _rank() -> int:
 
 def finish(target: Any, *, rank: int) -> None:
     """After the preemption checkpoint: log, mark, requeue (SLURM), end the group and raise :class:`Preempted`."""
-    from hasten.environments import process_group
     from hasten.environments.slurm import requeue_job
 
     state = PREEMPTION
@@ -117,7 +130,8 @@ def finish(target: Any, *, rank: int) -> None:
         message = requeue_job(os.environ)
         if message:
             print(f"hasten: {message}", flush=True)
-    process_group.end_group(quiet=True)
+    if state.end_group is not None:  # the process group's owner ends it (no barrier: every rank is here)
+        state.end_group()
     raise Preempted(state.exit_code)
 
 
@@ -203,15 +217,18 @@ def signal_number(name: str | None) -> signal.Signals:
 
 
 def arm(*, store: Any, rank: int, world: int, signal_name: str | None, env: Mapping[str, str],
-        stop_action: Callable[[], Any] | None, marker_dir: str | None) -> bool:
+        stop_action: Callable[[], Any] | None, marker_dir: str | None,
+        end_group: Callable[[], None] | None = None) -> bool:
     """Install the signal handler and start this rank's watcher (once per run); True when armed now.
 
     ``store`` is a handle for the watcher's thread alone (None with one process), ``stop_action``
     saves the automatic checkpoint and returns its folder (or None when the run has none),
-    ``marker_dir`` is where ``hasten launch`` looks for the workers that stopped (None outside it).
+    ``marker_dir`` is where ``hasten launch`` looks for the workers that stopped (None outside it),
+    ``end_group`` ends the process group before the process exits.
     """
     state = PREEMPTION
     state.stop_action = stop_action
+    state.end_group = end_group
     state.marker_dir = marker_dir
     state.exit_code = 0 if marker_dir else PREEMPTED_EXIT_CODE  # hasten launch's agent must not restart them
     if _RUNNING["watcher"] is not None:

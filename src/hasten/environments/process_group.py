@@ -125,7 +125,8 @@ def watch_preemption(signal_name: str | None, stop_action: Callable[[], Any] | N
         if store is None:
             return False  # no second handle: preemption cannot be coordinated, the signal keeps its default
     return preemption.arm(store=store, rank=rank, world=world, signal_name=signal_name, env=os.environ,
-                          stop_action=stop_action, marker_dir=marker_dir)
+                          stop_action=stop_action, marker_dir=marker_dir,
+                          end_group=lambda: end_group(quiet=True))
 
 
 def watch_run(bound: timedelta, *, owned: bool) -> None:
