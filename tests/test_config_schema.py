@@ -79,6 +79,7 @@ CHANGES: dict[str, tuple[dict[str, Any], list[str] | None]] = {
                       "use_cpu": True, "main_process_port": 29558},
                      ["--num_machines", "2:3", "--num_processes", "3", "--main_process_ip", "10.0.0.2", "--cpu",
                       "--main_process_port", "29558"]),
+    "preemption_signal": ({"preemption_signal": "USR1"}, ["--preemption_signal", "USR1"]),
 }
 
 

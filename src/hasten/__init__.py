@@ -49,6 +49,7 @@ _EXPORTS = {
     "prepare_pippy": "hasten.inference",
     "install_as_accelerate": "hasten._accelerate_alias",
     "uninstall_as_accelerate": "hasten._accelerate_alias",
+    "PREEMPTED_EXIT_CODE": "hasten.environments.preemption",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names resolve on first use
@@ -89,6 +90,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         prepare_data_loader as prepare_data_loader,
         skip_first_batches as skip_first_batches,
     )
+    from hasten.environments.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from hasten.inference import prepare_pippy as prepare_pippy
     from hasten.launchers.notebook import (
         debug_launcher as debug_launcher,

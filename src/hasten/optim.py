@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hasten.base.dataclasses import DistributedType
+from hasten.environments.preemption import PREEMPTION as _PREEMPTION
 from hasten.logging import get_logger
 from hasten.precision import FP16Precision, Precision
 from hasten.state import AcceleratorState, GradientState
@@ -120,17 +121,20 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         """
         if not self.gradient_state.sync_gradients:
             return None
+        losses: list[Any] = []
         if closure is None:
             self._is_overflow = not self._step(self.optimizer)
-            return None
-        losses: list[Any] = []
+        else:
+            def recording_closure() -> Any:
+                loss = closure()
+                losses.append(loss)
+                return loss
 
-        def recording_closure() -> Any:
-            loss = closure()
-            losses.append(loss)
-            return loss
-
-        self._is_overflow = not self._step(self.optimizer, recording_closure)
+            self._is_overflow = not self._step(self.optimizer, recording_closure)
+        # Preemption (see hasten.environments.preemption): one increment and one flag read per step.
+        _PREEMPTION.steps += 1
+        if _PREEMPTION.pending:
+            _PREEMPTION.after_step()
         return losses[0] if losses else None
 
     @property

@@ -18,6 +18,7 @@ from hasten.accelerator._checkpoint import CheckpointMixin
 from hasten.accelerator._collectives import CollectivesMixin
 from hasten.accelerator._compat import TrivialFeaturesMixin
 from hasten.accelerator._parallelism import NDParallelismMixin, resolve_layout, with_run_mesh
+from hasten.accelerator._preemption import PreemptionMixin
 from hasten.accelerator._prepare import PrepareMixin
 from hasten.accelerator._process import ProcessControlMixin
 from hasten.accelerator._tracking import TrackingMixin
@@ -112,7 +113,7 @@ def _collect_handlers(kwargs_handlers: list[KwargsHandler] | None) -> dict[type,
 
 
 class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin,
-                  NDParallelismMixin, TrivialFeaturesMixin):
+                  NDParallelismMixin, PreemptionMixin, TrivialFeaturesMixin):
     """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
 
     Example:

@@ -113,6 +113,11 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
      "Seconds a rank may wait in one collective before every rank reports what it was doing and the run stops "
      "(default 300; InitProcessGroupKwargs(timeout=...) in the script takes precedence)."),
     ("--monitor_interval", None, None, {"type": float, "default": 0.1}, "Seconds between worker health checks."),
+    ("--preemption_signal", "preemption_signal", None, {},
+     "Signal that makes every worker stop at the same optimizer step, save a checkpoint (automatic checkpoint "
+     "naming) and exit with code 75 (default TERM; USR1 for SLURM's --signal=USR1@90). See docs/preemption.md."),
+    ("--preemption_grace", None, None, {"type": float},
+     "Seconds the launcher waits for stopping workers (saving their checkpoint) before it kills them (default 30)."),
     ("--role", None, None, {"default": "default"}, "torchrun worker role."),
     ("-t", None, None, {"dest": "tee", "default": "0"}, "torchrun --tee."),
     ("--log_dir", None, None, {}, "torchrun log folder."),
@@ -227,13 +232,15 @@ def options_from_args(args: argparse.Namespace) -> Any:
                          num_cpu_threads_per_process=args.num_cpu_threads_per_process, rdzv_conf=args.rdzv_conf,
                          max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, role=args.role,
                          tee=args.tee, log_dir=args.log_dir, use_mpi=args.use_mpi, quiet=args.quiet,
-                         collective_timeout=args.collective_timeout, check_network=args.check_network)
+                         collective_timeout=args.collective_timeout, check_network=args.check_network,
+                         preemption_grace=args.preemption_grace)
 
 
 #: Bounds of the numeric run options, checked before anything leaves the launcher (a value like ``inf``
 #: or ``1e300`` overflows in the workers' timers otherwise). ``(flag, low, high, low_inclusive)``.
 _RANGES = (("max_restarts", 0, 1_000_000, True), ("collective_timeout", 0.0, 30 * 86400.0, False),
-           ("monitor_interval", 0.0, 3600.0, False), ("num_cpu_threads_per_process", 1, 65536, True))
+           ("monitor_interval", 0.0, 3600.0, False), ("num_cpu_threads_per_process", 1, 65536, True),
+           ("preemption_grace", 0.0, 86400.0, True))
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

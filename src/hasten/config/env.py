@@ -21,6 +21,8 @@ LAUNCH_CONFIG_VAR = "HASTEN_LAUNCH_CONFIG"
 DEBUG_MODE_VAR = "HASTEN_DEBUG_MODE"
 LOG_LEVEL_VAR = "HASTEN_LOG_LEVEL"
 COLLECTIVE_TIMEOUT_VAR = "HASTEN_COLLECTIVE_TIMEOUT"
+#: Set by ``hasten launch`` (torchrun agent): where workers stopped by preemption leave a marker file.
+PREEMPTION_DIR_VAR = "HASTEN_PREEMPTION_DIR"
 
 
 def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -192,3 +194,14 @@ def collective_timeout(env: Mapping[str, str] | None = None) -> timedelta | None
     if not 0 < seconds <= 30 * 86400:  # nan and inf fail too; timedelta/torch timers overflow beyond
         raise ValueError(f"{COLLECTIVE_TIMEOUT_VAR}={raw!r} must be a number of seconds above 0 and at most 30 days.")
     return timedelta(seconds=seconds)
+
+
+def preemption_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """The folder where ``hasten launch`` collects the markers of workers stopped by preemption, if any."""
+    return _env(env).get(PREEMPTION_DIR_VAR) or None
+
+
+def preemption_signal(env: Mapping[str, str] | None = None) -> str | None:
+    """The preemption signal of the launch configuration (``hasten launch --preemption_signal``), if any."""
+    value = launch_config_dict(env).get("preemption_signal")
+    return str(value) if value else None

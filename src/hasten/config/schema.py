@@ -160,6 +160,9 @@ class LaunchConfig:
     # hasten's own key (``--num_machines MIN:MAX``): the run goes on while at least this many machines
     # remain; None = a fixed set of num_machines (the file stays Accelerate's when it is not set).
     min_machines: int | None = field(default=None, metadata=_kind("int"))
+    # hasten's own key (``--preemption_signal``): the signal that makes every worker stop at the same step,
+    # checkpoint and exit (None = SIGTERM; e.g. USR1 for SLURM's ``--signal=USR1@90``).
+    preemption_signal: str | None = field(default=None, metadata=_kind("str"))
 
     # ------------------------------------------------------------------------------------ conversion
     @classmethod
@@ -250,6 +253,9 @@ class LaunchConfig:
         if self.min_machines is not None and not 1 <= self.min_machines <= self.num_machines:
             raise ConfigurationError(f"{source}: min_machines={self.min_machines} must be in 1..num_machines="
                                      f"{self.num_machines}. HINT: --num_machines MIN:MAX with MIN <= MAX.")
+        if self.preemption_signal is not None and not _is_signal_name(self.preemption_signal):
+            raise ConfigurationError(f"{source}: preemption_signal={self.preemption_signal!r} is not a signal. "
+                                     "HINT: name one such as TERM, USR1 or SIGUSR2.")
         if self.main_process_port is not None and not 0 <= self.main_process_port <= 65535:
             raise ConfigurationError(f"{source}: main_process_port={self.main_process_port} is not a TCP port "
                                      "(0..65535; 0 picks a free one).")
@@ -265,6 +271,13 @@ class LaunchConfig:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _is_signal_name(name: str) -> bool:
+    import signal
+
+    text = str(name).strip().upper()
+    return text.isdigit() and 0 < int(text) < signal.NSIG or (text if text.startswith("SIG") else "SIG" + text) \
+        in signal.Signals.__members__
+
 def _locator(source: str, lines: Mapping[str, int]) -> Any:
     def where(key: str) -> str:
         line = lines.get(key)

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from hasten.data.loaders import DataLoaderStateMixin, ResumableMixin, _check_unsupported, batch_size_of
+from hasten.environments.preemption import PREEMPTION as _PREEMPTION
 from hasten.exceptions import ConfigurationError
 from hasten.ops import broadcast, broadcast_object_list, send_to_device
 from hasten.ops.tree import honor_type, slice_tensors
@@ -185,6 +186,8 @@ class DataLoaderDispatcher(ResumableMixin, DataLoaderStateMixin, DataLoader):
             part = self._slice(batch, slice(rank * size, (rank + 1) * size))
             index += 1
             if index > skip:  # resuming: the skipped batches are still read so padding stays identical
+                if _PREEMPTION.save_due:  # preemption: checkpoint before this batch is handed out
+                    _PREEMPTION.at_boundary()
                 self._progress[0] = index
                 yield part
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from hasten.data.samplers import batches_after, offsets_samples
+from hasten.environments.preemption import PREEMPTION as _PREEMPTION
 from hasten.exceptions import ConfigurationError
 from hasten.ops import send_to_device, synchronize_rng_states
 from hasten.ops.tree import find_batch_size
@@ -457,10 +458,14 @@ class DataLoaderShard(_IndexSkipMixin, ResumableMixin, DataLoaderStateMixin, Dat
                 if move is not None:
                     current = move(current)
                 for upcoming in iterator:
+                    if _PREEMPTION.save_due:  # preemption: checkpoint before this batch is handed out
+                        _PREEMPTION.at_boundary()
                     progress[0] += 1
                     yield current
                     current = move(upcoming) if move is not None else upcoming
                 self._mark_end()
+                if _PREEMPTION.save_due:
+                    _PREEMPTION.at_boundary()
                 progress[0] += 1
                 yield current
             self._finish_pass(token)

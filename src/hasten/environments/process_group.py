@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hasten._private_api import clone_default_store
+from hasten.environments import preemption
 from hasten.environments.debug_checks import disable_debug_checks, enable_debug_checks
 from hasten.environments.watchdog import process_group_timeout, start_watchdog, stop_watchdog
 from hasten.exceptions import DistributedOperationError
@@ -103,9 +105,28 @@ def run_before_end_hooks() -> None:
 
 
 def forget_hooks() -> None:
-    """Drop the registered hooks without running them and stop the watchdog (``reset_state``)."""
+    """Drop the registered hooks without running them, stop the watchdog and forget preemption (``reset_state``)."""
     _BEFORE_END.clear()
     stop_watchdog()
+    preemption.disarm()
+    preemption.PREEMPTION.reset()
+
+
+def watch_preemption(signal_name: str | None, stop_action: Callable[[], Any] | None,
+                     marker_dir: str | None = None) -> bool:
+    """Stop every rank at the same step on ``signal_name`` (SIGTERM by default); see :mod:`.preemption`.
+
+    The watcher thread gets its own handle on the group's store (none with one process) and is stopped
+    by :func:`end_group` before the store goes away. True when armed by this call.
+    """
+    store, rank, world = None, 0, 1
+    if group_running() and dist.get_world_size() > 1:
+        store, rank, world = clone_default_store(), dist.get_rank(), dist.get_world_size()
+        if store is None:
+            return False  # no second handle: preemption cannot be coordinated, the signal keeps its default
+    return preemption.arm(store=store, rank=rank, world=world, signal_name=signal_name, env=os.environ,
+                          stop_action=stop_action, marker_dir=marker_dir,
+                          end_group=lambda: end_group(quiet=True))
 
 
 def watch_run(bound: timedelta, *, owned: bool) -> None:
@@ -194,6 +215,7 @@ def end_group(*, barrier: bool = False, group: Any = None, quiet: bool = False) 
     """
     if group is None:
         stop_watchdog()
+        preemption.disarm()
         run_before_end_hooks()
     try:
         if not group_running():
@@ -214,4 +236,4 @@ def end_group(*, barrier: bool = False, group: Any = None, quiet: bool = False) 
 
 
 __all__ = ["add_before_end_hook", "end_group", "ensure_group", "export_rank_variables", "forget_hooks",
-           "group_running", "run_before_end_hooks", "set_debug_checks", "start_group", "watch_run"]
+           "group_running", "run_before_end_hooks", "set_debug_checks", "start_group", "watch_preemption", "watch_run"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import Any
 
 from hasten.environments.base import ClusterEnvironment, ProcessInfo, check_ranks, read_int
 from hasten.exceptions import ConfigurationError
@@ -83,3 +84,37 @@ class SLURMEnvironment(ClusterEnvironment):
             master_port=read_int(env, "MASTER_PORT", src, default=port_default),
         )
         return check_ranks(info, src)
+
+
+def requeue_job(env: Mapping[str, str], run: Any = None) -> str | None:
+    """Requeue this SLURM job after a preemption checkpoint (``scontrol requeue $SLURM_JOB_ID``).
+
+    Outside SLURM (no ``SLURM_JOB_ID``) nothing happens and None is returned. A job that does not allow
+    it (``Requeue=0`` in ``scontrol show job``: submit with ``--requeue``) is left alone; the returned
+    line says what happened either way. ``run`` is ``subprocess.run`` (replaced in tests).
+
+    Example:
+        >>> requeue_job({}) is None
+        True
+    """
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    if run is None:
+        import subprocess
+
+        run = subprocess.run
+    try:
+        shown = run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30)
+        if shown.returncode == 0 and re.search(r"\bRequeue=0\b", shown.stdout):
+            return (f"SLURM job {job} does not allow requeueing (Requeue=0); resubmit it to resume from the "
+                    "checkpoint. HINT: sbatch --requeue")
+        done = run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30)
+    except (OSError, ValueError) as exc:
+        return f"could not requeue SLURM job {job}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - subprocess.TimeoutExpired: the controller did not answer
+        return f"could not requeue SLURM job {job}: {type(exc).__name__}: {exc}"
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout or "").strip() or f"exit code {done.returncode}"
+        return f"SLURM refused to requeue job {job}: {why}"
+    return f"SLURM job {job} requeued; it resumes from the checkpoint when it starts again"

@@ -59,6 +59,8 @@ class LaunchOptions:
     collective_timeout: float | None = None
     #: run only the network check of a multi-machine launch (``--check_network``), no workers
     check_network: bool = False
+    #: seconds the agent waits for workers stopping on a signal before SIGKILL (torchrun's ``--shutdown_timeout``)
+    preemption_grace: float | None = None
 
 
 @dataclass

@@ -13,7 +13,10 @@ from types import FrameType
 from hasten.exceptions import LaunchError
 from hasten.launchers.worker import die_with_parent
 
-_FORWARDED = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+# SIGUSR1/2 too: SLURM's `--signal=USR1@90` (hasten launch --preemption_signal USR1) reaches the launcher,
+# which must pass it on instead of dying of it; the worker stops at a step boundary and exits with 75.
+_FORWARDED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                   if hasattr(signal, name))
 
 
 def exit_code(returncode: int) -> int:
@@ -29,7 +32,7 @@ def _child_dies_with_launcher() -> None:
 def run_process(command: list[str], extra_env: Mapping[str, str]) -> int:
     """Run ``command`` with ``extra_env`` added to this process's environment; return its exit code.
 
-    SIGTERM/SIGHUP sent to the launcher are passed on to the child; Ctrl-C reaches the child through
+    SIGTERM/SIGHUP/SIGUSR1/SIGUSR2 sent to the launcher are passed on to the child; Ctrl-C reaches the child through
     the terminal's process group, and the launcher then waits for it to finish.
 
     Example:

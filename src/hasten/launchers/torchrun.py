@@ -2,24 +2,34 @@
 
 The agent starts ``nproc_per_node`` workers, gives them torchrun's variables (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ...), stops the others as soon as one fails, restarts the group up to
-``max_restarts`` times, and stops every worker on SIGINT/SIGTERM.
+``max_restarts`` times, and stops every worker on SIGINT/SIGTERM. Workers that stopped for preemption
+(see :mod:`hasten.environments.preemption`) exit 0 and leave a marker file, so the agent neither restarts
+them nor counts a failure; the launcher then exits with ``PREEMPTED_EXIT_CODE`` (75).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import shutil
 import socket
 import sys
+import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from hasten.base.environment import patch_environment
+from hasten.config.env import PREEMPTION_DIR_VAR
+from hasten.environments.preemption import PREEMPTED_EXIT_CODE, signal_number
 from hasten.exceptions import LaunchError
 from hasten.launchers.plan import HANG_EXIT_CODE, WORKER_MODULE, LaunchOptions, LaunchPlan
 
 #: ``hasten launch``'s exit status when the network check failed (as when the machines could not meet).
 NETWORK_CHECK_EXIT_CODE = 1
+#: The signals torchrun's agent handles by default (it stops the workers on each).
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 def torchrun_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
@@ -38,6 +48,7 @@ def torchrun_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
             "--role", options.role, "--tee", options.tee]
     if plan.rdzv_conf:
         argv += ["--rdzv_conf", plan.rdzv_conf]
+    argv += _preemption_argv(plan, options)
     if plan.rdzv_backend != "static":
         argv += ["--rdzv_id", "hasten"]
     if plan.bind_addr:
@@ -50,6 +61,19 @@ def torchrun_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
     # interpreter finalization where gloo can abort (see hasten.launchers.worker).
     target = ["--module"] if options.module else []
     return [*argv, "--module", WORKER_MODULE, *target, options.script, *options.script_args]
+
+
+def _preemption_argv(plan: LaunchPlan, options: LaunchOptions) -> list[str]:
+    """The agent forwards the preemption signal to the workers and waits ``--preemption_grace`` before SIGKILL."""
+    argv: list[str] = []
+    name = plan.config.preemption_signal
+    if name:
+        sig = signal_number(name).name
+        if sig not in _AGENT_SIGNALS:  # the agent's own list, else that signal would end the launcher at once
+            argv += ["--signals_to_handle", ",".join((*_AGENT_SIGNALS, sig))]
+    if options.preemption_grace is not None:
+        argv += ["--shutdown_timeout", str(math.ceil(options.preemption_grace))]
+    return argv
 
 
 def _added_environment(extra: Mapping[str, str]) -> Any:
@@ -99,7 +123,11 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
     if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
         agent_env["GLOO_SOCKET_IFNAME"] = interface  # gloo listens where the store does, not on every interface
     hosts_store = plan.node_rank == 0 if plan.rdzv_backend == "static" else (plan.nnodes == 1 or plan.node_rank == 0)
+    markers = tempfile.mkdtemp(prefix="hasten-preempt-")  # workers stopped by preemption leave a file here
+    agent_env[PREEMPTION_DIR_VAR] = markers
+    started = time.time()
     with _added_environment(agent_env), contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, markers, True)
         try:
             if hosts_store:
                 stack.enter_context(store_server(plan.bind_addr, plan.master_port))
@@ -111,6 +139,8 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
         except ChildFailedError as exc:
             return _report_failure(exc, options.quiet)
         except SignalException as exc:
+            if _report_preemption(markers, plan.nproc_per_node, started):
+                return PREEMPTED_EXIT_CODE
             print(f"hasten launch: stopped by signal {exc.sigval.name}; all workers were terminated.",
                   file=sys.stderr)
             return 128 + int(exc.sigval)
@@ -123,7 +153,30 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
         except LaunchError as exc:
             print(f"hasten launch: error: {exc}", file=sys.stderr)
             return 2
+        if _report_preemption(markers, plan.nproc_per_node, started):  # signalled workers, not this launcher
+            return PREEMPTED_EXIT_CODE
     return 0
+
+
+def _report_preemption(folder: str, nproc: int, started: float) -> bool:
+    """True when every local worker stopped for preemption after its checkpoint; logs signal-to-exit time.
+
+    Each worker's marker holds the time it got (or learned of) the signal, the stop step and the folder.
+    """
+    found = []
+    for name in os.listdir(folder):
+        if name.startswith("rank") and not name.endswith(".tmp"):
+            with open(os.path.join(folder, name)) as f:
+                found.append(f.read().split(" ", 2))
+    if len(found) < nproc:
+        return False
+    signalled = min(float(parts[0]) for parts in found)
+    step, target = found[0][1], found[0][2].strip()
+    print(f"hasten launch: preempted: every worker stopped after optimizer step {step} with checkpoint {target}; "
+          f"{time.time() - max(signalled, started):.1f} s from the signal to the exit. Exit code "
+          f"{PREEMPTED_EXIT_CODE}: relaunch to resume (Accelerator.load_state() loads the newest checkpoint).",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def _network_check(plan: LaunchPlan, options: LaunchOptions) -> int | None:

@@ -187,6 +187,7 @@ class ClusterConfig(BaseConfig):
     # hasten's keys beyond Accelerate's (None = not set, so the file stays readable by Accelerate)
     use_parallelism_config: bool | None = None
     min_machines: int | None = None
+    preemption_signal: str | None = None
 
     def __post_init__(self) -> None:
         for block in ("fp8_config", "deepspeed_config", "fsdp_config", "parallelism_config", "megatron_lm_config",

@@ -1,0 +1,61 @@
+"""Preemption on the Accelerator: arm the protocol at ``prepare``, answer ``preemption_requested``, save at the stop.
+
+The protocol itself (signal, watcher thread, common stop step) lives in
+:mod:`hasten.environments.preemption`; the process group's owner starts and stops it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+from hasten.accelerator._base import AcceleratorBase
+from hasten.config import env as hasten_env
+from hasten.environments import process_group
+from hasten.environments.preemption import PREEMPTION
+
+
+class PreemptionMixin(AcceleratorBase):
+    """``preemption_requested`` and the automatic checkpoint taken when a preemption signal arrives."""
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True on every process once the run was asked to stop (hasten; not in Accelerate).
+
+        After ``hasten launch``'s preemption signal (SIGTERM by default) reaches any process, every
+        process finishes the same optimizer step ``S`` and this becomes True right after it. With
+        ``ProjectConfiguration(automatic_checkpoint_naming=True)`` hasten saves and exits by itself at
+        the next batch; otherwise check it at the end of the loop body (after ``optimizer.step()``,
+        ``scheduler.step()`` and ``zero_grad()``), so the saved data position is exact.
+
+        Example:
+            >>> for batch in loader:
+            ...     ...  # forward, backward, optimizer.step(), scheduler.step(), optimizer.zero_grad()
+            ...     if accelerator.preemption_requested:
+            ...         accelerator.save_state("ckpt")
+            ...         break
+        """
+        PREEMPTION.acknowledged = True  # the loop handles preemption itself: the signal must not end the process
+        return PREEMPTION.requested
+
+    def _arm_preemption(self) -> None:
+        """Start listening for the preemption signal (at the first ``prepare`` of an optimizer)."""
+        method = weakref.WeakMethod(self._preemption_checkpoint)
+
+        def stop_action() -> Path | None:
+            bound = method()
+            return bound() if bound is not None else None
+
+        process_group.watch_preemption(hasten_env.preemption_signal(), stop_action, hasten_env.preemption_dir())
+
+    def _preemption_checkpoint(self) -> Path | None:
+        """Save the automatic checkpoint (every process), or None when the run has no project folder for one."""
+        config = self.project_configuration  # type: ignore[attr-defined]
+        if not (config.automatic_checkpoint_naming and self.project_dir):
+            return None
+        target: Path = self.save_state()  # type: ignore[attr-defined]
+        self.wait_for_checkpoint()  # type: ignore[attr-defined]
+        return target
+
+
+__all__ = ["PreemptionMixin"]

@@ -1,0 +1,257 @@
+"""Graceful preemption: a signal makes every rank stop at the same optimizer step, save, and leave.
+
+The protocol (no store round trip or collective on a normal step):
+
+1. A signal handler in each worker only records the time and sets an event (``SIGTERM`` by default,
+   ``hasten launch --preemption_signal USR1`` for SLURM's ``--signal=USR1@90``).
+2. A daemon *watcher* thread per rank, with its own handle on the run's store, publishes the request
+   (``hasten_preempt/<restart>/request``; the elastic restart count in the key, so a restarted worker
+   group never reads a dead round's keys) and otherwise polls that key about once a second, so ranks
+   that got no signal learn it too. On learning, the watcher sets :attr:`_Preemption.pending` *first*,
+   then reads the main thread's count of optimizer steps ``c_r`` and posts it; once every rank posted,
+   the stop step is ``S = max(c_r) + 1``.
+3. The main thread counts optimizer steps (one increment) and reads ``pending`` (one attribute read)
+   after each; only when it is set does it wait for ``S``. Because ``pending`` is set before ``c_r``
+   is read, a rank's main thread checks ``pending`` at every step after ``c_r``, so it cannot pass
+   ``S >= c_r + 1`` unseen; and the posts come from the watchers, never from a main thread, so a main
+   thread waiting for ``S`` (or blocked in a collective behind a waiting peer) cannot hold them up.
+4. After optimizer step ``S`` every rank sets :attr:`_Preemption.requested`
+   (``Accelerator.preemption_requested``). With automatic checkpoint naming, the prepared data loader's
+   next batch is the boundary: before handing it out, every rank saves the state (the loader position
+   excludes that batch), rank 0 logs one line, SLURM jobs are requeued, the group ends and the process
+   exits with :data:`PREEMPTED_EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+#: Exit status of a worker (and of ``hasten launch``) stopped by preemption after its checkpoint
+#: (``EX_TEMPFAIL`` of sysexits.h: try again later, e.g. requeue and resume).
+PREEMPTED_EXIT_CODE = 75
+#: How often a watcher asks the store whether another rank was signalled (off the step path).
+POLL_SECONDS = 1.0
+#: How long a rank waits for every rank's step count before it gives up stopping (a rank is gone).
+DECIDE_TIMEOUT = timedelta(seconds=60)
+_KEY = "hasten_preempt"
+
+logger = logging.getLogger("hasten.preemption")
+
+
+class Preempted(SystemExit):
+    """Raised at the stop boundary after the checkpoint: ends the worker with :data:`PREEMPTED_EXIT_CODE`."""
+
+
+class _Preemption:
+    """This process's preemption state. ``steps``/``pending``/``requested`` are the hot-path fields."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget any request (tests, ``reset_state``); the signal handler is left in place."""
+        self.pending = False  # the one flag read after every optimizer step
+        self.requested = False  # True from the end of step S on (Accelerator.preemption_requested)
+        self.acknowledged = False  # the script read `preemption_requested` at least once
+        self.save_due = False  # the data loader's one flag: an automatic checkpoint is due at its next batch
+        self.steps = 0  # optimizer steps done by the main thread
+        self.stop_step: int | None = None
+        self.signal_name: str | None = None
+        self.signal_time: float | None = None  # time.time() when this rank got the signal or learned of it
+        self.local = threading.Event()  # set by the signal handler
+        self.decided = threading.Event()  # set by the watcher once stop_step is known
+        self.stop_action: Callable[[], Any] | None = None
+        self.end_group: Callable[[], None] | None = None
+        self.exit_code = PREEMPTED_EXIT_CODE
+        self.marker_dir: str | None = None
+
+    # -------------------------------------------------------------------------- main thread, step path
+    def after_step(self) -> None:
+        """Called after an optimizer step while ``pending``: wait for ``S``; at ``S`` raise the flags."""
+        if self.stop_step is None and not self.decided.wait(DECIDE_TIMEOUT.total_seconds()):
+            logger.warning("hasten: preemption requested but not every rank posted its step within %.0f s; "
+                           "training goes on (a rank may be gone)", DECIDE_TIMEOUT.total_seconds())
+            self.pending = False
+            return
+        if self.stop_step is not None and self.steps >= self.stop_step and not self.requested:
+            self.requested = True
+            self.save_due = True
+            if self.marker_dir and self.acknowledged:  # a loop that saves by itself: hasten launch reports the stop
+                _write_marker(self.marker_dir, _rank(), "(saved by the script)")
+
+    def at_boundary(self) -> None:
+        """Called by a prepared data loader before its next batch while ``save_due``: checkpoint and exit.
+
+        Without automatic checkpoint naming the user's loop decides (``preemption_requested``); a loop
+        that never asked gets the signal's own effect back (the process ends as it would have).
+        """
+        self.save_due = False
+        action = self.stop_action
+        target = action() if action is not None else None
+        if target is not None:
+            finish(target, rank=_rank())
+        if not self.acknowledged:
+            logger.warning("hasten: %s received but the script has no automatic checkpoint naming and never reads "
+                           "accelerator.preemption_requested: ending the process as the signal would",
+                           self.signal_name)
+            sig = _RUNNING["handled"][0] if _RUNNING["handled"] else signal.SIGTERM
+            disarm()
+            os.kill(os.getpid(), sig)
+
+
+PREEMPTION = _Preemption()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def finish(target: Any, *, rank: int) -> None:
+    """After the preemption checkpoint: log, mark, requeue (SLURM), end the group and raise :class:`Preempted`."""
+    from hasten.environments.slurm import requeue_job
+
+    state = PREEMPTION
+    took = time.time() - (state.signal_time or time.time())
+    if rank == 0:
+        print(f"hasten: preempted by {state.signal_name or 'a signal'}: every rank stopped after optimizer step "
+              f"{state.stop_step}; checkpoint {target} saved {took:.1f} s after the signal", flush=True)
+    if state.marker_dir:  # hasten launch's agent turns these into its own exit status
+        _write_marker(state.marker_dir, rank, target)
+    if rank == 0:
+        message = requeue_job(os.environ)
+        if message:
+            print(f"hasten: {message}", flush=True)
+    if state.end_group is not None:  # the process group's owner ends it (no barrier: every rank is here)
+        state.end_group()
+    raise Preempted(state.exit_code)
+
+
+def _write_marker(folder: str, rank: int, target: Any) -> None:
+    path = os.path.join(folder, f"rank{rank}")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{PREEMPTION.signal_time or time.time()} {PREEMPTION.stop_step} {target}\n")
+        os.replace(path + ".tmp", path)
+    except OSError as exc:
+        logger.warning("hasten: cannot write the preemption marker %s: %s", path, exc)
+
+
+# ------------------------------------------------------------------------------------------ watcher
+class _Watcher(threading.Thread):
+    """Publishes this rank's signal, learns the others', posts this rank's step count, computes ``S``."""
+
+    def __init__(self, store: Any, rank: int, world: int, generation: str) -> None:
+        super().__init__(name="hasten-preemption", daemon=True)
+        self.store, self.rank, self.world = store, rank, world
+        self.prefix = f"{_KEY}/{generation}"
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        state = PREEMPTION
+        try:
+            while not self.stopped.is_set():
+                if state.local.wait(POLL_SECONDS):
+                    if self.store is not None:
+                        self.store.set(f"{self.prefix}/request", f"{self.rank} {state.signal_name}")
+                    break
+                if self.store is not None and self.store.check([f"{self.prefix}/request"]):
+                    who, _, name = self.store.get(f"{self.prefix}/request").decode().partition(" ")
+                    state.signal_name = state.signal_name or f"{name} (on rank {who})"
+                    state.signal_time = state.signal_time or time.time()
+                    break
+            else:
+                return
+            self._decide(state)
+        except Exception as exc:  # noqa: BLE001 - the store is gone (run ending): nothing left to coordinate
+            if not self.stopped.is_set():
+                logger.debug("hasten: preemption watcher stopped: %s", exc)
+
+    def _decide(self, state: _Preemption) -> None:
+        state.pending = True  # first: from here on the main thread checks after every step
+        mine = state.steps
+        if self.store is None:
+            state.stop_step = mine + 1
+        else:
+            self.store.set(f"{self.prefix}/step/{self.rank}", str(mine))
+            keys = [f"{self.prefix}/step/{r}" for r in range(self.world)]
+            self.store.wait(keys, DECIDE_TIMEOUT)
+            state.stop_step = max(int(self.store.get(k)) for k in keys) + 1
+        state.decided.set()
+
+
+_RUNNING: dict[str, Any] = {"watcher": None, "handled": None}
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    # Only records: the watcher thread does the rest (a handler must not touch the store or the group).
+    state = PREEMPTION
+    if state.signal_time is None:
+        state.signal_time = time.time()
+        state.signal_name = signal.Signals(signum).name
+    state.local.set()
+
+
+def signal_number(name: str | None) -> signal.Signals:
+    """The signal named ``name`` (``"USR1"``, ``"SIGUSR1"`` or ``"10"``); SIGTERM for None.
+
+    Raises:
+        ValueError: no such signal.
+    """
+    if not name:
+        return signal.SIGTERM
+    text = str(name).strip().upper()
+    try:
+        return signal.Signals(int(text)) if text.isdigit() else signal.Signals[text if text.startswith("SIG")
+                                                                              else "SIG" + text]
+    except (KeyError, ValueError):
+        raise ValueError(f"preemption_signal={name!r} is not a signal name; use e.g. TERM or USR1.") from None
+
+
+def arm(*, store: Any, rank: int, world: int, signal_name: str | None, env: Mapping[str, str],
+        stop_action: Callable[[], Any] | None, marker_dir: str | None,
+        end_group: Callable[[], None] | None = None) -> bool:
+    """Install the signal handler and start this rank's watcher (once per run); True when armed now.
+
+    ``store`` is a handle for the watcher's thread alone (None with one process), ``stop_action``
+    saves the automatic checkpoint and returns its folder (or None when the run has none),
+    ``marker_dir`` is where ``hasten launch`` looks for the workers that stopped (None outside it),
+    ``end_group`` ends the process group before the process exits.
+    """
+    state = PREEMPTION
+    state.stop_action = stop_action
+    state.end_group = end_group
+    state.marker_dir = marker_dir
+    state.exit_code = 0 if marker_dir else PREEMPTED_EXIT_CODE  # hasten launch's agent must not restart them
+    if _RUNNING["watcher"] is not None:
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return False  # signal handlers can only be installed from the main thread
+    sig = signal_number(signal_name)
+    _RUNNING["handled"] = (sig, signal.signal(sig, _on_signal))
+    generation = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    watcher = _Watcher(store, rank, world, generation)
+    _RUNNING["watcher"] = watcher
+    watcher.start()
+    return True
+
+
+def disarm() -> None:
+    """Stop the watcher (before the store goes away) and put the previous signal handler back."""
+    watcher, _RUNNING["watcher"] = _RUNNING["watcher"], None
+    if watcher is not None:
+        watcher.stopped.set()
+    handled, _RUNNING["handled"] = _RUNNING["handled"], None
+    if handled is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(handled[0], handled[1])
+
+
+__all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION", "Preempted", "arm", "disarm", "finish", "signal_number"]

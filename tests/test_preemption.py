@@ -1,0 +1,294 @@
+"""Graceful preemption (issue 25, item 1): a signal to one rank stops every rank at the same optimizer step.
+
+Forked gloo ranks (``run_on_ranks``); the signal is sent by one rank to itself mid-training. The watcher
+polls the store every 20 ms here (1 s in a real run) so that the tiny steps do not outrun it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from hasten import PREEMPTED_EXIT_CODE
+from hasten.environments import preemption
+from hasten.testing import run_on_ranks
+from hasten.testing.distributed import RankFailed
+
+SIGNAL_AT = 9  # the signal arrives inside the 9th micro-batch of the signalled rank
+
+# The training script, run by forked ranks (its functions, exec'd here) and by `hasten launch` (as a file).
+SCRIPT = """
+import os, signal, sys, time
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from hasten import Accelerator, ProjectConfiguration
+from hasten.environments.preemption import PREEMPTION, Preempted
+from hasten.utils import set_seed
+
+EPOCHS = 2
+
+
+def build(project_dir, auto):
+    config = ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=auto)
+    accelerator = Accelerator(gradient_accumulation_steps=2, project_config=config)
+    set_seed(11)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(320, 6, generator=g)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+    return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler))
+
+
+def interrupt(accelerator, how):
+    # ("kill", rank, signal): that rank signals itself; ("mark", path): rank 0 tells the test, which
+    # signals the launcher, and waits until its watcher learned of it (bounded)
+    if how[0] == "kill" and accelerator.process_index == how[1]:
+        os.kill(os.getpid(), how[2])
+    elif how[0] == "mark" and accelerator.is_main_process:
+        open(how[1], "w").close()
+        deadline = time.monotonic() + 60
+        while not PREEMPTION.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def train(project_dir, how, resume, auto, signal_at):
+    # Losses (one per micro-batch), then how the run ended: ("done", weights) or ("stopped", S, steps, code).
+    accelerator, model, optimizer, loader, scheduler = build(project_dir, auto)
+    if resume:
+        accelerator.load_state(None if auto else os.path.join(project_dir, "manual"))
+    losses = []
+    start_epoch = loader.state_dict()["epoch"] if resume else 0
+    try:
+        for _epoch in range(start_epoch, EPOCHS):
+            for x, y in loader:
+                with accelerator.accumulate(model):
+                    loss = nn.functional.mse_loss(model(x), y)
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                losses.append(round(loss.item(), 7))
+                if how is not None and len(losses) == signal_at:
+                    interrupt(accelerator, how)
+                if accelerator.preemption_requested and not auto:  # the documented pattern without automatic naming
+                    accelerator.save_state(os.path.join(project_dir, "manual"))
+                    return losses, ("stopped", PREEMPTION.stop_step, PREEMPTION.steps, None)
+    except Preempted as exc:
+        return losses, ("stopped", PREEMPTION.stop_step, PREEMPTION.steps, exc.code)
+    weights = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return losses, ("done", weights)
+
+
+if __name__ == "__main__":  # hasten launch script.py PROJECT OUT [MARKER]
+    project, out = sys.argv[1], sys.argv[2]
+    how = ("mark", sys.argv[3]) if len(sys.argv) > 3 else None
+    result = train(project, how, how is None, True, 9)
+    if int(os.environ["RANK"]) == 0:
+        torch.save(result, out)
+    if result[1][0] == "stopped":
+        sys.exit(result[1][3])  # what Preempted carried: 0 under hasten launch, whose agent then exits with 75
+"""
+_NS: dict = {}
+exec(compile(SCRIPT, "preemption_script", "exec"), _NS)  # noqa: S102 - the test's own script
+_train = _NS["train"]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """The uninterrupted run on 2 forked ranks: every test compares with it."""
+    return run_on_ranks(_train, world_size=2, args=(str(tmp_path_factory.mktemp("full")), None, False, True, 0))
+
+
+def _stop_and_resume(tmp_path, full, world_size, auto, sig=signal.SIGTERM, env=None):
+    how = ("kill", world_size - 1, sig)
+    stopped = run_on_ranks(_train, world_size=world_size, args=(str(tmp_path), how, False, auto, SIGNAL_AT), env=env)
+    ends = [end for _, end in stopped]
+    assert all(end[0] == "stopped" for end in ends), ends
+    assert len({(end[1], end[2]) for end in ends}) == 1, f"ranks stopped at different steps: {ends}"
+    stop_step, steps = ends[0][1], ends[0][2]
+    assert steps == stop_step >= SIGNAL_AT // 2  # right after optimizer step S, never before the signal
+    assert all(end[3] == (PREEMPTED_EXIT_CODE if auto else None) for end in ends)
+    if auto:
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0"]
+    resumed = run_on_ranks(_train, world_size=world_size, args=(str(tmp_path), None, True, auto, 0))
+    for (full_losses, full_end), (first, _), (rest, end) in zip(full, stopped, resumed):
+        assert len(first) == 2 * stop_step  # accumulation 2: S optimizer steps are 2 S micro-batches
+        assert first + rest == full_losses  # the same samples, in the same order, with the same results
+        assert end[0] == "done" and all(torch.equal(a, b) for a, b in zip(full_end[1], end[1]))
+
+
+def test_signal_to_one_rank_stops_all_at_one_step_saves_and_resumes_exactly(tmp_path, full_run):
+    # Inside a SLURM job, one process requeues it once the checkpoint is published (a stand-in scontrol).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\n[ \"$1\" = show ] && echo 'JobId=42 Requeue=1 Restarts=0' && exit 0\n"
+                        f"ls {tmp_path / 'run' / 'checkpoints'} >> {tmp_path / 'requeued'}; echo \"$@\" >> "
+                        f"{tmp_path / 'requeued'}\n")
+    scontrol.chmod(0o755)
+    env = {"SLURM_JOB_ID": "42", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    _stop_and_resume(tmp_path / "run", full_run, 2, auto=True, env=env)
+    assert (tmp_path / "requeued").read_text().split("\n") == ["checkpoint_0", "requeue 42", ""]
+
+
+def test_one_process_stops_after_the_next_step_and_saves(tmp_path):
+    # No store: the watcher decides alone (S = its step count + 1). The resume is the 2-rank tests' business.
+    [(losses, end)] = run_on_ranks(_train, world_size=1, args=(str(tmp_path), ("kill", 0, signal.SIGTERM), False, True,
+                                                                 SIGNAL_AT))
+    assert end[0] == "stopped" and end[1] == end[2] >= SIGNAL_AT // 2 and end[3] == PREEMPTED_EXIT_CODE
+    assert len(losses) == 2 * end[1] and sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0"]
+
+
+def test_without_a_project_folder_preemption_requested_tells_the_loop(tmp_path, full_run):
+    # and hasten launch --preemption_signal USR1 reaches the workers through HASTEN_LAUNCH_CONFIG
+    env = {"HASTEN_LAUNCH_CONFIG": json.dumps({"preemption_signal": "USR1"})}
+    _stop_and_resume(tmp_path, full_run, 2, auto=False, sig=signal.SIGUSR1, env=env)
+
+
+def _ignores_the_flag():
+    accelerator, model, optimizer, loader, scheduler = _NS["build"](None, False)
+    for index, (x, y) in enumerate(loader):
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        if index == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return "the loop ran to its end"
+
+
+def test_a_loop_that_never_reads_the_flag_ends_as_the_signal_would():
+    # Without automatic naming and without `preemption_requested` in the loop, SIGTERM must not be swallowed.
+    with pytest.raises(RankFailed, match="terminated with signal SIGTERM"):
+        run_on_ranks(_ignores_the_flag, world_size=1)
+
+
+def _profiled_steps(n):
+    """Run ``n`` armed training steps under a profiler; the store and collective calls of the main thread."""
+    accelerator, model, optimizer, loader, scheduler = _NS["build"](None, False)
+    assert preemption._RUNNING["watcher"] is not None  # armed by prepare()
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    calls: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "c_call" and isinstance(getattr(arg, "__self__", None), dist.Store):
+            calls.append(f"store.{arg.__name__}")
+        elif event == "call" and frame.f_code.co_filename in (c10d.__file__, preemption.__file__):
+            calls.append(frame.f_code.co_name)
+
+    batches = iter(loader)
+    x, y = next(batches)
+    sys.setprofile(profile)  # this (main) thread only: the watcher's polls are not counted
+    try:
+        for _ in range(n):
+            with accelerator.accumulate(model):
+                accelerator.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            x, y = next(batches)
+    finally:
+        sys.setprofile(None)
+    return calls, threading.main_thread().ident
+
+
+def test_a_normal_step_makes_no_store_or_collective_call():
+    # DDP's gradient all-reduce runs in C++ (not a Python call): what remains are hasten's own additions.
+    for calls, _ in run_on_ranks(_profiled_steps, world_size=2, args=(6,)):
+        assert not [c for c in calls if c.startswith("store.")], calls
+        assert not [c for c in calls if c in {"after_step", "at_boundary"}], calls
+        collectives = {c for c in calls if not c.startswith("_")} & {
+            "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",
+            "monitored_barrier", "reduce", "gather", "scatter", "all_to_all"}
+        assert not collectives, collectives
+
+
+def _launch(tmp_path, *args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HASTEN_HOME=str(tmp_path / "home"))
+    env.pop("HASTEN_LAUNCH_CONFIG", None)
+    return subprocess.Popen([sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes", "2",
+                             "--preemption_grace", "60", *map(str, args)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.launch
+def test_sigterm_to_hasten_launch_checkpoints_exits_75_and_the_relaunch_resumes(tmp_path, full_run):
+    script, project, marker = tmp_path / "train.py", tmp_path / "project", tmp_path / "mark"
+    script.write_text(SCRIPT)
+    proc = _launch(tmp_path, script, project, tmp_path / "first.pt", marker)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # waiting for the file (no fixed delay: the workers wait for the signal)
+        assert marker.exists(), proc.communicate(timeout=30)[0]
+        proc.send_signal(signal.SIGTERM)  # the launcher only, as Kubernetes signals a pod's first process
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == PREEMPTED_EXIT_CODE, out
+    assert re.search(r"every worker stopped after optimizer step \d+ with checkpoint .*checkpoint_0; "
+                     r"[\d.]+ s from the signal to the exit", out), out
+    first, end = torch.load(tmp_path / "first.pt")
+    assert end[0] == "stopped" and os.path.isdir(project / "checkpoints" / "checkpoint_0")
+    relaunch = _launch(tmp_path, script, project, tmp_path / "rest.pt")
+    out, _ = relaunch.communicate(timeout=240)
+    assert relaunch.returncode == 0, out
+    rest, end = torch.load(tmp_path / "rest.pt")
+    assert first + rest == full_run[0][0]
+    assert end[0] == "done" and all(torch.equal(a, b) for a, b in zip(full_run[0][1][1], end[1]))
+
+
+def test_signal_names_and_refusals():
+    assert preemption.signal_number(None) is signal.SIGTERM
+    assert preemption.signal_number("usr1") is signal.SIGUSR1
+    assert preemption.signal_number("SIGUSR2") is signal.SIGUSR2
+    assert preemption.signal_number(str(int(signal.SIGUSR1))) is signal.SIGUSR1
+    with pytest.raises(ValueError, match="not a signal name"):
+        preemption.signal_number("NOPE")
+
+
+class _Done:
+    def __init__(self, code=0, out="", err=""):
+        self.returncode, self.stdout, self.stderr = code, out, err
+
+
+def test_slurm_requeue_decision():
+    from hasten.environments.slurm import requeue_job
+
+    calls = []
+
+    def scontrol(answers):
+        def run(argv, **kwargs):
+            calls.append(argv[1:])
+            answer = answers.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+        return run
+
+    assert requeue_job({}, scontrol([])) is None and calls == []  # not a SLURM job: nothing to do
+    message = requeue_job({"SLURM_JOB_ID": "7"}, scontrol([_Done(out="JobId=7 Requeue=1"), _Done()]))
+    assert calls == [["show", "job", "7"], ["requeue", "7"]] and "requeued" in message
+    calls.clear()
+    message = requeue_job({"SLURM_JOB_ID": "7"}, scontrol([_Done(out="JobId=7 Requeue=0 Restarts=0")]))
+    assert calls == [["show", "job", "7"]] and "Requeue=0" in message and "--requeue" in message
+    message = requeue_job({"SLURM_JOB_ID": "7"}, scontrol([_Done(), _Done(1, err="Access/permission denied")]))
+    assert message == "SLURM refused to requeue job 7: Access/permission denied"
+    message = requeue_job({"SLURM_JOB_ID": "7"}, scontrol([FileNotFoundError(2, "No such file", "scontrol")]))
+    assert message.startswith("could not requeue SLURM job 7")
