@@ -111,16 +111,20 @@ class Ranks:
     def of_process_group(cls) -> Ranks:
         """This process in torch's default process group (one process when there is none).
 
-        The machine-local position comes from ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (set by every launcher),
-        else the global one (a single machine).
+        The position on the machine is the launcher's (as ``PartialState`` reads it) when it describes
+        this group, else the global one (a single machine).
         """
         import torch.distributed as dist
+
+        from hasten.environments import current_process_info
 
         if not (dist.is_available() and dist.is_initialized()):
             return cls()
         world, rank = dist.get_world_size(), dist.get_rank()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return cls(world, rank, int(os.environ.get("LOCAL_RANK", rank % max(local_world, 1))), local_world)
+        info = current_process_info()[1]
+        if info.world_size == world and info.rank == rank:
+            return cls(world, rank, info.local_rank, info.local_world_size)
+        return cls(world, rank, rank, world)
 
 
 @dataclass
