@@ -3,9 +3,8 @@
 **Every process must call ``save_state`` and ``load_state``** (not only the main process): they
 synchronise, and each process saves and restores its own random generators.
 
-The protocol (folder layout, staging, sealing, publication, rotation; checks, then apply with undo)
-belongs to :class:`hasten.checkpointing.manager.CheckpointManager`; this mixin hands it the
-Accelerator's stateful objects.
+The protocol (layout, staging, sealing, publication, rotation; checks, then apply with undo) belongs
+to :class:`hasten.checkpointing.manager.CheckpointManager`; this mixin hands it the Accelerator's objects.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ class CheckpointMixin(AcceleratorBase):
 
     def _checkpoint_manager(self) -> CheckpointManager:
         if self._checkpoints is None:
-            local_world = int(getattr(self.state, "num_local_processes", 1) or 1)
-            ranks = Ranks(self.num_processes, self.process_index, self.local_process_index, local_world)
+            ranks = Ranks(self.num_processes, self.process_index, self.local_process_index,
+                          int(getattr(self.state, "num_local_processes", 1) or 1))
             self._checkpoints = CheckpointManager(self._strategy, ranks, device=self.device)
         return self._checkpoints
 
@@ -44,8 +43,7 @@ class CheckpointMixin(AcceleratorBase):
             load_hooks=list(self._load_model_state_pre_hook.values()))
 
     @property
-    def _background_saver(self) -> Any:
-        """The asynchronous save's thread keeper (None before the first one); benchmarks poll it."""
+    def _background_saver(self) -> Any:  # the asynchronous saves' keeper (None before the first); benchmarks poll it
         return self._checkpoints.background if self._checkpoints is not None else None
 
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,

@@ -60,7 +60,7 @@ def write_file(path: Path, writer: Callable[[Path], Any], serialize: Callable[[]
 
 
 def torch_save(obj: Any, path: Path, *, sealer: sealing.Sealer | None = None) -> None:
-    """``torch.save``, crash-safely (:func:`write_file`; ``sealer``: the save's, for a staged file)."""
+    """``torch.save``, crash-safely (:func:`write_file`)."""
     write_file(path, lambda file: torch.save(obj, file), lambda: _torch_bytes(obj, path.name), sealer=sealer)
 
 
@@ -127,7 +127,7 @@ def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
 
 def save_model_weights(state_dict: Mapping[str, torch.Tensor], folder: Path, index: int, safe: bool, *,
                        sealer: sealing.Sealer | None = None) -> Path:
-    """Write one model's weights as ``model{_i}.safetensors`` (or ``pytorch_model{_i}.bin``) (:func:`write_file`)."""
+    """Write one model's weights as ``model{_i}.safetensors`` (or ``pytorch_model{_i}.bin``)."""
     if safe:
         from safetensors.torch import save_file
 
@@ -215,7 +215,7 @@ def save_gradients(model: nn.Module, path: Path) -> bool:
 
 def save_gradient_tensors(grads: Mapping[str, torch.Tensor], path: Path, *,
                           sealer: sealing.Sealer | None = None) -> bool:
-    """Write ``name -> gradient`` tensors (CPU, contiguous) crash-safely (:func:`write_file`); False when there are none."""
+    """Write ``name -> gradient`` tensors (CPU, contiguous) atomically; False when there are none."""
     if not grads:
         return False
     from safetensors.torch import save_file
