@@ -9,6 +9,7 @@ to the atomic fallback).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -108,9 +109,12 @@ def _check(result: dict, world: int) -> None:
 def test_manager_saves_and_loads_without_an_accelerator(tmp_path):
     _check(_save_train_load(str(tmp_path), 1), 1)
     manager = CheckpointManager(Strategy(torch.device("cpu"), Precision(), DistributedType.NO), Ranks())
+    objects = _objects()
+    objects.custom_objects = []  # the folder holds one registered object: refused before anything changed
+    before = _snapshot(dataclasses.replace(objects, custom_objects=[Counter()]))
     with pytest.raises(CheckpointError, match="holds 1 registered objects but 0"):
-        manager.load(TrainingObjects(models=_objects().models, optimizers=_objects().optimizers,
-                                     schedulers=_objects().schedulers), tmp_path / "ckpt")
+        manager.load(objects, tmp_path / "ckpt")
+    assert _same(before, _snapshot(dataclasses.replace(objects, custom_objects=[Counter()])))
 
 
 def test_manager_on_two_forked_gloo_ranks(tmp_path):
