@@ -49,11 +49,11 @@ def _plain_reduce(t: torch.Tensor) -> torch.Tensor:
 
 def _body(calls: int, rounds: int) -> dict[str, dict[str, float]]:
     from hasten import PartialState
-    from hasten.ops.watchdog import _TRACKER
+    from hasten.environments.watchdog import TRACKER
     from hasten.utils import gather, reduce
 
     PartialState()  # as in a real run: the hang watchdog runs and every collective is tracked
-    assert _TRACKER.enabled
+    assert TRACKER.enabled
     results: dict[str, dict[str, list[float]]] = {}
     for label, shape in SIZES.items():
         t = torch.randn(shape)

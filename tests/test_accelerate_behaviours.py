@@ -56,15 +56,27 @@ def test_register_save_state_pre_hook_returns_a_working_handle(tmp_path):
     assert model is not None
 
 
-def test_parallelism_config_reads_accelerates_environment_variables(monkeypatch):
-    """Accelerate: sizes not passed come from ``PARALLELISM_CONFIG_*`` (what ``accelerate launch`` sets)."""
+@pytest.mark.world_size(2, env={"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"})
+def test_parallelism_config_reads_accelerates_environment_variables():
+    """Accelerate: sizes not passed come from ``PARALLELISM_CONFIG_*`` (what ``accelerate launch`` sets), so
+    ``ParallelismConfig()`` on 2 processes runs sharded over both (not DDP, the rule for all-1 sizes).
+    hasten reads them when the run resolves its layout, into ``accelerator.parallelism_config``; the
+    user's own object keeps what it was given (docs/migrating.md, "Differs on purpose")."""
+    from hasten.config.parallelism import resolve_parallelism_config
     from hasten.parallelism_config import ParallelismConfig
 
-    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
-    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "1")
-    config = ParallelismConfig()
-    assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size) == (2, 1, 1)
-    assert ParallelismConfig(dp_replicate_size=1).dp_replicate_size == 1  # an explicit value wins
+    mine = ParallelismConfig()
+    accelerator = Accelerator(cpu=True, parallelism_config=mine)
+    run = accelerator.parallelism_config
+    assert (run.dp_replicate_size, run.dp_shard_size, run.tp_size) == (1, 2, 1)
+    assert accelerator.is_fsdp2 and accelerator.torch_device_mesh["dp_shard"].size() == 2
+    # what the config channel resolves from the environment is what the run uses, everywhere
+    assert run == resolve_parallelism_config(ParallelismConfig(), num_processes=2)
+    assert AcceleratorState().parallelism_config is run and run.device_mesh is accelerator.torch_device_mesh
+    assert (mine.dp_shard_size, mine.device_mesh) == (1, None)
+    explicit = resolve_parallelism_config(ParallelismConfig(dp_replicate_size=2, dp_shard_size=1), num_processes=2)
+    assert (explicit.dp_replicate_size, explicit.dp_shard_size) == (2, 1)  # an explicit value wins
+    accelerator.end_training()
 
 
 def test_launch_parser_namespace_holds_every_option():

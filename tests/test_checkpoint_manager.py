@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch import nn
 
+from hasten.base.dataclasses import DistributedType
 from hasten.checkpointing import CheckpointError
 from hasten.checkpointing.manager import CheckpointManager, Ranks, TrainingObjects
 from hasten.checkpointing.sealing import Sealer
 from hasten.precision import Precision
 from hasten.strategies.base import Strategy
 from hasten.testing import run_on_ranks
-from hasten.utils.dataclasses import DistributedType
 
 
 class Counter:

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from hasten.environments import process_group
-from hasten.ops.debug import debug_checks_enabled
+from hasten.environments.debug_checks import debug_checks_enabled
 
 
 def _hasten_excepthook():
@@ -59,7 +59,7 @@ PRIVATE_GROUP = textwrap.dedent("""
     import torch.distributed as dist
     from hasten import Accelerator, FullyShardedDataParallelPlugin
     from hasten.environments import process_group
-    from hasten.ops.debug import debug_checks_enabled
+    from hasten.environments.debug_checks import debug_checks_enabled
     from hasten.state import reset_state
 
     reports = []
@@ -169,7 +169,7 @@ LAUNCHED = textwrap.dedent("""
     import torch.distributed as dist
     from hasten import Accelerator
     from hasten.environments import process_group
-    from hasten.ops.debug import debug_checks_enabled
+    from hasten.environments.debug_checks import debug_checks_enabled
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     accelerator = Accelerator(cpu=True)

@@ -1,6 +1,7 @@
 """The architecture's rules, checked on the source: layering, environment access, file budget, lazy imports."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # statement is (module level or inside a function); only `if TYPE_CHECKING:` blocks are exempt.
 LAYERS = [
     ["hasten.exceptions", "hasten._lazy", "hasten._accelerate_alias", "hasten._accelerate_paths", "hasten._private_api",
-     "hasten.utils"],
+     "hasten.base"],
     ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],
@@ -25,6 +26,9 @@ LAYERS = [
     ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader",
      "hasten.hooks", "hasten.inference"],
     ["hasten.commands", "hasten.testing", "hasten.test_utils", "hasten.memory_utils"],
+    # Accelerate's `accelerate.utils` namespace: aliases of the ground floor's modules (hasten.base) and
+    # Accelerate-only paths. Nothing inside hasten imports it (the facade rule below resolves its names).
+    ["hasten.utils"],
 ]
 # Accelerate-compatible re-export facades resolve their names lazily, from every layer: `hasten`,
 # `hasten.utils`, `hasten.utils.operations`, and the two `accelerate.utils.<module>` paths whose names
@@ -34,9 +38,9 @@ FACADES = {"hasten", "hasten.utils", "hasten.utils.operations", "hasten.utils.tq
 # No import runs upward, not even inside a function: this set stays empty (a pair here would be a
 # (module, imported) exception with its reason, to be moved down before the next release).
 UPWARD_ALLOWED: set[tuple[str, str]] = set()
-ENV_ALLOWED = ("config/env.py", "environments/", "utils/environment.py", "launchers/", "commands/", "testing/",
+ENV_ALLOWED = ("config/env.py", "environments/", "base/environment.py", "launchers/", "commands/", "testing/",
                "test_utils/",
-               "strategies/deepspeed.py", "utils/deepspeed_runtime.py")
+               "strategies/deepspeed.py", "base/deepspeed_runtime.py")
 
 
 def _module_name(path: Path) -> str:
@@ -235,6 +239,78 @@ def test_private_apis_only_in_one_module():
     assert not offenders, f"private APIs outside hasten/_private_api.py: {offenders}"
 
 
+# Calls that change a container or start a thread: on a module-level name they make the module stateful.
+_MUTATING_CALLS = {"add", "append", "appendleft", "clear", "discard", "extend", "insert", "pop", "popitem", "popleft",
+                   "remove", "reverse", "setdefault", "sort", "start", "update"}
+
+
+def _module_state(code: str) -> list[str]:
+    """What makes a module stateful: a thread import, a ``global`` statement, a module-level instance of a
+    class it defines, or a module-level name written through an item, an attribute or a mutating call
+    anywhere in it. Constant tables (a dict nobody writes) are fine."""
+    tree = ast.parse(code)
+    found: list[str] = []
+    names: set[str] = set()
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+            value = node.value
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in classes:
+                found.append(f"line {node.lineno}: module-level instance of {value.func.id}")
+
+    def _base(node: ast.AST) -> str | None:
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(m.split(".")[0] in ("threading", "_thread") for m in modules):
+                found.append(f"line {node.lineno}: imports threading")
+        elif isinstance(node, ast.Global):
+            found.append(f"line {node.lineno}: global {', '.join(node.names)}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target])
+            for target in targets:
+                if isinstance(target, (ast.Attribute, ast.Subscript)) and _base(target) in names:
+                    found.append(f"line {node.lineno}: writes module-level {_base(target)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in _MUTATING_CALLS and _base(node.func.value) in names):
+            found.append(f"line {node.lineno}: {_base(node.func.value)}.{node.func.attr}(...) changes module state")
+    return found
+
+
+def test_ops_holds_no_module_state_and_starts_no_thread():
+    """``ops/`` is stateless: what hangs on the process group (the watchdog, debug checks) lives in
+    ``environments/`` beside ``process_group.py``, which owns the group's lifetime."""
+    problems = {str(path.relative_to(SRC)): found for path in sorted((SRC / "ops").rglob("*.py"))
+                if (found := _module_state(path.read_text()))}
+    assert problems == {}
+
+
+def test_module_state_finder_sees_every_kind():
+    code = ("import threading\nfrom collections import deque\nTABLE = {1: 2}\nSEEN = {}\nRECENT = deque()\n"
+            "class _Slot:\n    pass\nSLOT = _Slot()\n"
+            "def f(x):\n    global COUNT\n    SEEN[x] = 1\n    SLOT.value = x\n    RECENT.append(x)\n"
+            "    return TABLE.get(x)\n")
+    found = " | ".join(_module_state(code))
+    for kind in ("imports threading", "instance of _Slot", "global COUNT", "writes module-level SEEN",
+                 "writes module-level SLOT", "RECENT.append"):
+        assert kind in found, (kind, found)
+    assert "TABLE" not in found  # a constant table nobody writes is not state
+    assert _module_state("TABLE = {1: 2}\ndef f(x):\n    local = {}\n    local[x] = TABLE[x]\n") == []
+
+
+def test_one_mesh_builder():
+    """Only ``ParallelismConfig.build_device_mesh`` creates a ``DeviceMesh`` (docs/architecture.md, N-D parallelism)."""
+    builders = sorted(str(path.relative_to(SRC)) for path in _sources()
+                      if re.search(r"\binit_device_mesh\b|\bDeviceMesh\(\s*[^)\s]", path.read_text()))
+    assert builders == ["config/parallelism.py"]
+
+
 def test_file_budget():
     too_long = {str(p.relative_to(SRC)): n for p in _sources() if (n := len(p.read_text().splitlines())) > 600}
     assert not too_long, f"files over 600 lines: {too_long}"
@@ -261,3 +337,20 @@ def test_type_checkers_see_every_lazy_export(facade):
              for alias in node.names}
     assert typed == importlib.import_module(facade)._EXPORTS
     assert all(alias.asname == alias.name for node in block.body for alias in node.names)  # explicit re-exports
+
+
+def test_accelerate_utils_modules_are_the_ground_floor_modules_themselves():
+    """``hasten.utils.<m>`` is an alias of ``hasten.base.<m>``: one module object, so patching either patches both."""
+    import importlib
+
+    aliases = [p.stem for p in (SRC / "utils").glob("*.py") if p.stem != "__init__" and (SRC / "base" / p.name).exists()]
+    assert {"dataclasses", "environment", "imports", "modeling", "memory"} <= set(aliases)
+    for name in aliases:
+        assert importlib.import_module(f"hasten.utils.{name}") is importlib.import_module(f"hasten.base.{name}"), name
+    from hasten.utils.dataclasses import DistributedType
+
+    assert DistributedType.__module__ == "hasten.base.dataclasses"
+    # Accelerate's names that hasten defines higher up still resolve at the Accelerate path.
+    from hasten.utils import modeling
+
+    assert callable(modeling.load_checkpoint_in_model)

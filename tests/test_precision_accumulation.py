@@ -27,7 +27,7 @@ class Probe(nn.Module):
 
 
 def test_bf16_autocast_in_forward_and_fp32_outputs():
-    accelerator = Accelerator(mixed_precision="bf16")
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     model = accelerator.prepare(Probe())
     out = model(torch.randn(2, 4))
     assert model.seen[-1] == torch.bfloat16 and out.dtype == torch.float32
@@ -39,7 +39,7 @@ def test_bf16_autocast_in_forward_and_fp32_outputs():
 
 
 def test_fp16_on_cpu_really_runs_fp16():
-    accelerator = Accelerator(mixed_precision="fp16")
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
     assert accelerator.mixed_precision == "fp16" and accelerator.scaler is not None and accelerator.native_amp
     model = accelerator.prepare(Probe())
     assert model(torch.randn(2, 4)).dtype == torch.float32
@@ -48,7 +48,7 @@ def test_fp16_on_cpu_really_runs_fp16():
 
 def test_fp16_overflow_skips_step_and_shrinks_scale():
     # A modest initial scale: with 65536 this tiny loss's fp16 gradients would overflow for real.
-    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
     model = nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
@@ -80,7 +80,7 @@ def test_clip_grad_norm_matches_torch_on_unscaled_gradients():
     x = torch.randn(4, 5)
     reference(x).pow(2).sum().backward()
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
-    accelerator = Accelerator(mixed_precision="fp16")
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with torch.autocast("cpu", enabled=False):
         accelerator.backward(model.module(x).pow(2).sum() if hasattr(model, "module") else
@@ -92,7 +92,7 @@ def test_clip_grad_norm_matches_torch_on_unscaled_gradients():
 
 
 def _accumulate_body(world, steps, micro, batch, windows):
-    accelerator = Accelerator(gradient_accumulation_steps=micro)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=micro)
     torch.manual_seed(3)
     model = nn.Linear(3, 1)
     data = torch.randn(windows * micro * batch * world, 3, generator=torch.Generator().manual_seed(5))
@@ -140,8 +140,8 @@ def test_accumulation_equals_large_batch():
 
 def test_accumulation_arguments():
     with pytest.raises(ConfigurationError, match="Both gradient_accumulation_steps=2"):
-        Accelerator(gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
-    accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=3))
+        Accelerator(cpu=True, gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2))
+    accelerator = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=3))
     assert accelerator.gradient_accumulation_steps == 3
     accelerator.gradient_accumulation_steps = 5
     assert accelerator.gradient_accumulation_steps == 5
@@ -150,7 +150,7 @@ def test_accumulation_arguments():
 
 
 def test_sync_pattern_without_loader():
-    accelerator = Accelerator(gradient_accumulation_steps=4)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
     model = nn.Linear(1, 1)
     syncs = []
     for _ in range(10):
@@ -161,7 +161,7 @@ def test_sync_pattern_without_loader():
 
 def test_accumulate_as_a_decorator_advances_on_every_call():
     """``accumulate`` returned a contextlib generator context, usable as a decorator: that still holds."""
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = accelerator.prepare(nn.Linear(1, 1))
     syncs = []
 
@@ -175,7 +175,7 @@ def test_accumulate_as_a_decorator_advances_on_every_call():
 
 
 def test_accumulate_unwinds_entered_contexts_when_one_fails_to_enter():
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     events = []
 
     class Recording:

@@ -13,22 +13,22 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Accelerator": "hasten.accelerator.core",
-    "GradientAccumulationPlugin": "hasten.utils.dataclasses",
-    "ProjectConfiguration": "hasten.utils.dataclasses",
+    "GradientAccumulationPlugin": "hasten.base.dataclasses",
+    "ProjectConfiguration": "hasten.base.dataclasses",
     "skip_first_batches": "hasten.data",
     "PartialState": "hasten.state",
     "AcceleratorState": "hasten.state",
     "GradientState": "hasten.state",
-    "DistributedType": "hasten.utils.dataclasses",
-    "InitProcessGroupKwargs": "hasten.utils.dataclasses",
-    "DistributedDataParallelKwargs": "hasten.utils.dataclasses",
-    "GradScalerKwargs": "hasten.utils.dataclasses",
-    "AutocastKwargs": "hasten.utils.dataclasses",
-    "DataLoaderConfiguration": "hasten.utils.dataclasses",
-    "DDPCommunicationHookType": "hasten.utils.dataclasses",
+    "DistributedType": "hasten.base.dataclasses",
+    "InitProcessGroupKwargs": "hasten.base.dataclasses",
+    "DistributedDataParallelKwargs": "hasten.base.dataclasses",
+    "GradScalerKwargs": "hasten.base.dataclasses",
+    "AutocastKwargs": "hasten.base.dataclasses",
+    "DataLoaderConfiguration": "hasten.base.dataclasses",
+    "DDPCommunicationHookType": "hasten.base.dataclasses",
     "synchronize_rng_states": "hasten.ops.random",
-    "ProfileKwargs": "hasten.utils.dataclasses",
-    "find_executable_batch_size": "hasten.utils.memory",
+    "ProfileKwargs": "hasten.base.dataclasses",
+    "find_executable_batch_size": "hasten.base.memory",
     "FullyShardedDataParallelPlugin": "hasten.config.plugins.fsdp",
     "DeepSpeedPlugin": "hasten.config.plugins.deepspeed",
     "prepare_data_loader": "hasten.data",
@@ -43,9 +43,9 @@ _EXPORTS = {
     "load_checkpoint_and_dispatch": "hasten.big_modeling",
     "infer_auto_device_map": "hasten.big_modeling",
     "load_checkpoint_in_model": "hasten.big_modeling",
-    "TorchDynamoPlugin": "hasten.utils.dataclasses",
+    "TorchDynamoPlugin": "hasten.base.dataclasses",
     "ParallelismConfig": "hasten.parallelism_config",
-    "is_rich_available": "hasten.utils.imports",
+    "is_rich_available": "hasten.base.imports",
     "prepare_pippy": "hasten.inference",
     "install_as_accelerate": "hasten._accelerate_alias",
     "uninstall_as_accelerate": "hasten._accelerate_alias",
@@ -57,6 +57,21 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         uninstall_as_accelerate as uninstall_as_accelerate,
     )
     from hasten.accelerator.core import Accelerator as Accelerator
+    from hasten.base.dataclasses import (
+        AutocastKwargs as AutocastKwargs,
+        DataLoaderConfiguration as DataLoaderConfiguration,
+        DDPCommunicationHookType as DDPCommunicationHookType,
+        DistributedDataParallelKwargs as DistributedDataParallelKwargs,
+        DistributedType as DistributedType,
+        GradientAccumulationPlugin as GradientAccumulationPlugin,
+        GradScalerKwargs as GradScalerKwargs,
+        InitProcessGroupKwargs as InitProcessGroupKwargs,
+        ProfileKwargs as ProfileKwargs,
+        ProjectConfiguration as ProjectConfiguration,
+        TorchDynamoPlugin as TorchDynamoPlugin,
+    )
+    from hasten.base.imports import is_rich_available as is_rich_available
+    from hasten.base.memory import find_executable_batch_size as find_executable_batch_size
     from hasten.big_modeling import (
         cpu_offload as cpu_offload,
         cpu_offload_with_hook as cpu_offload_with_hook,
@@ -86,21 +101,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         GradientState as GradientState,
         PartialState as PartialState,
     )
-    from hasten.utils.dataclasses import (
-        AutocastKwargs as AutocastKwargs,
-        DataLoaderConfiguration as DataLoaderConfiguration,
-        DDPCommunicationHookType as DDPCommunicationHookType,
-        DistributedDataParallelKwargs as DistributedDataParallelKwargs,
-        DistributedType as DistributedType,
-        GradientAccumulationPlugin as GradientAccumulationPlugin,
-        GradScalerKwargs as GradScalerKwargs,
-        InitProcessGroupKwargs as InitProcessGroupKwargs,
-        ProfileKwargs as ProfileKwargs,
-        ProjectConfiguration as ProjectConfiguration,
-        TorchDynamoPlugin as TorchDynamoPlugin,
-    )
-    from hasten.utils.imports import is_rich_available as is_rich_available
-    from hasten.utils.memory import find_executable_batch_size as find_executable_batch_size
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 

@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-from hasten.config.schema import LaunchConfig
-from hasten.exceptions import ConfigurationError
-from hasten.precision import SUPPORTED, Precision, create_precision
-from hasten.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
-from hasten.utils.dataclasses import (
+from hasten.base.dataclasses import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
     DistributedType,
     DynamoBackend,
     GradScalerKwargs,
 )
-from hasten.utils.fp8 import AORecipeKwargs
+from hasten.base.fp8 import AORecipeKwargs
+from hasten.config.schema import LaunchConfig
+from hasten.exceptions import ConfigurationError
+from hasten.precision import SUPPORTED, Precision, create_precision
+from hasten.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ def _fp8_hardware(cpu: bool) -> tuple[bool, tuple[int, int] | None, str]:
 
 def _check_fp8(handlers: Mapping[type, Any], launch: LaunchConfig, cpu: bool) -> str:
     """The fp8 engine for this run, after refusing clearly where it cannot run (names the requirement)."""
+    from hasten.base.imports import is_msamp_available, is_torchao_available, is_transformer_engine_available
     from hasten.precision.fp8 import check_fp8_support, fp8_backend
-    from hasten.utils.imports import is_msamp_available, is_torchao_available, is_transformer_engine_available
 
     backend = fp8_backend(handlers, launch.fp8_config)
     on_cpu, capability, label = _fp8_hardware(cpu)
@@ -263,7 +263,8 @@ def build_parts(settings: Settings, device: torch.device, distributed_type: Dist
         from hasten.strategies.fsdp2 import FSDP2Strategy
 
         precision = FSDPPrecision(precision, getattr(settings.fsdp_plugin, "mixed_precision_policy", None))
-        strategy = FSDP2Strategy(device, precision, DistributedType.FSDP, num_processes, plugin=settings.fsdp_plugin)
+        strategy = FSDP2Strategy(device, precision, DistributedType.FSDP, num_processes, plugin=settings.fsdp_plugin,
+                                 world_mesh=getattr(config, "device_mesh", None))
     elif num_processes > 1:
         strategy = DDPStrategy(device, precision, distributed_type, num_processes,
                                ddp_kwargs=handlers.get(DistributedDataParallelKwargs))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from hasten.utils.dataclasses import DistributedType
+from hasten.base.dataclasses import DistributedType
 
 _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 

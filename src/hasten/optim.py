@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
+from hasten.base.dataclasses import DistributedType
 from hasten.precision import FP16Precision, Precision
 from hasten.state import AcceleratorState, GradientState
 from hasten.strategies import SingleDeviceStrategy, Strategy
-from hasten.utils.dataclasses import DistributedType
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):

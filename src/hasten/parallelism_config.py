@@ -1,7 +1,8 @@
 """Accelerate's ``accelerate.parallelism_config`` path: ``ParallelismConfig`` and its handlers.
 
-The implementation is :mod:`hasten.config.parallelism` (sizes, validation, the ``DeviceMesh``); the
-N-D strategy that runs it is :mod:`hasten.strategies.nd`.
+The implementation is :mod:`hasten.config.parallelism` (pure sizes and checks, the one ``DeviceMesh``
+builder, and ``resolve_parallelism_config``, which completes a run's config from the launch into a new
+object); the N-D strategy that runs it is :mod:`hasten.strategies.nd`.
 
 Example:
     >>> ParallelismConfig(dp_shard_size=4).total_size

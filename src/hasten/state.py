@@ -19,6 +19,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from hasten.base.dataclasses import DistributedType, GradientAccumulationPlugin
+from hasten.base.environment import is_env_set, parse_flag_from_env
+from hasten.base.split import split_inputs
 from hasten.config import env as hasten_env
 from hasten.devices import Device, select_device
 from hasten.environments import (
@@ -28,11 +31,8 @@ from hasten.environments import (
     export_torch_env,
     process_group,
 )
+from hasten.environments.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.ops.collectives import barrier
-from hasten.ops.watchdog import DEFAULT_BOUND, process_group_timeout
-from hasten.utils.dataclasses import DistributedType, GradientAccumulationPlugin
-from hasten.utils.environment import is_env_set
-from hasten.utils.split import split_inputs
 
 #: How long a rank may wait in one collective before the watchdog reports every rank and stops the run.
 DEFAULT_TIMEOUT = DEFAULT_BOUND
@@ -197,7 +197,8 @@ class PartialState(_ProcessQueries):
         if self.initialized:
             return
         launch = hasten_env.launch_config_dict()
-        cpu = cpu or bool(launch.get("use_cpu", False))
+        # Accelerate honours ACCELERATE_USE_CPU here too (its launcher and the test harness set it).
+        cpu = cpu or bool(launch.get("use_cpu", False)) or parse_flag_from_env("ACCELERATE_USE_CPU")
         environment, info = current_process_info()
         device_kind = select_device(cpu=cpu)
         self._setup(environment, info, device_kind, cpu, kwargs)
@@ -422,6 +423,11 @@ class AcceleratorState(_ProcessQueries):
             raise ValueError("select_deepspeed_plugin needs several named plugins: `deepspeed_plugin={'a': ..., 'b': ...}`")
         chosen = self.get_deepspeed_plugin(name) if name is not None else next(iter(plugins.values()))
         self.deepspeed_plugins = {k: v for k, v in [(name, chosen)] + [(k, v) for k, v in plugins.items() if k != name]}
+
+    def _attach_layout(self, parallelism_config: Any) -> None:
+        """Keep the run's ``ParallelismConfig`` (as the ``Accelerator`` resolved it) and the mesh it carries."""
+        self.parallelism_config = parallelism_config
+        self.device_mesh = getattr(parallelism_config, "device_mesh", None)
 
     def _attach_strategy(self, strategy: _RunStrategy) -> None:
         """Make ``strategy`` (the Accelerator's) the source of ``distributed_type``, ``is_fsdp2`` and the plugins."""

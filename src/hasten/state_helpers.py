@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from hasten.base.serialization import save_atomically
 from hasten.checkpointing.custom import write_custom_state
 from hasten.exceptions import ConfigurationError
 from hasten.state import AcceleratorState, PartialState
-from hasten.utils.serialization import save_atomically
 
 
 def writes_shared_files(save_on_each_node: bool = False) -> bool:

@@ -136,7 +136,7 @@ def _reference(kind: str) -> tuple[dict[str, torch.Tensor], list[float]]:
 def _loop(accelerator: Accelerator, model: nn.Module, optimizer, steps: range, norms: list[float] | None = None,
           save_after: int | None = None, folder: Path | None = None) -> None:
     for step in steps:
-        x, y = _my_batch(step)
+        x, y = (t.to(accelerator.device) for t in _my_batch(step))
         with accelerator.accumulate(model):
             accelerator.backward(nn.functional.mse_loss(model(x), y))
             if accelerator.sync_gradients:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import inspect
 import json
+import os
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hasten import Accelerator, ParallelismConfig
-from hasten.config.parallelism import parallelism_config_from_launch
+from hasten.config.parallelism import parallelism_config_from_launch, resolve_parallelism_config
 from hasten.exceptions import ConfigurationError
 from hasten.state import reset_state
 from hasten.strategies.nd import check_tp_plan, resolve_tp_plan
@@ -115,7 +118,7 @@ def test_bad_sizes_and_styles_are_refused_with_the_arithmetic():
     ParallelismConfig(dp_shard_size=2, cp_size=2).validate(4, device_type="cuda")  # the sizes themselves are fine
 
 
-def test_accelerates_other_fields_and_launch_defaults(monkeypatch):
+def test_accelerates_other_fields_and_launch_defaults():
     with pytest.raises(ConfigurationError, match="sp_size=2: DeepSpeed-Ulysses sequence parallelism is not available"):
         ParallelismConfig(sp_size=2)
     with pytest.raises(ConfigurationError, match="cp_backend='ring'"):
@@ -123,12 +126,67 @@ def test_accelerates_other_fields_and_launch_defaults(monkeypatch):
     config = ParallelismConfig(dp_shard_size=2, tp_size=2)
     assert (config.cp_backend, config.sp_backend, config.sp_size) == ("torch", "deepspeed", 1)
     assert '"tp_size": 2' in config.to_json() and config.fsdp_dim_names == ["dp_shard_cp"]
-    # Sizes left None come from `hasten launch --parallelism_config_*` (HASTEN_LAUNCH_CONFIG), as Accelerate's env.
+
+
+def test_a_config_never_reads_the_environment_nor_changes(monkeypatch):
+    """Sizes left None read 1 whatever the launch says; no method changes the object or reads a variable."""
     monkeypatch.setenv("HASTEN_LAUNCH_CONFIG", json.dumps({"parallelism_config": {
         "parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": 2}}))
-    launched = ParallelismConfig()
-    assert (launched.dp_shard_size, launched.tp_size, launched.dp_replicate_size) == (2, 2, 1)
-    assert ParallelismConfig(tp_size=4).dp_shard_size == 2  # explicit values win, the rest is filled in
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    read: list[str] = []
+
+    class Watched(dict):
+        def __getitem__(self, key):
+            read.append(key)
+            return super().__getitem__(key)
+
+        def get(self, key, default=None):
+            read.append(key)
+            return super().get(key, default)
+
+        def __contains__(self, key):
+            read.append(key)
+            return super().__contains__(key)
+
+        def items(self):
+            read.append("<items>")
+            return super().items()
+
+    monkeypatch.setattr(os, "environ", Watched(os.environ))
+    for config, sizes in ((ParallelismConfig(), (1, 1, 1, 1)), (ParallelismConfig(dp_shard_size=2, tp_size=2), (1, 2, 2, 1))):
+        before = copy.deepcopy(vars(config))
+        assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size) == sizes
+        for name, member in inspect.getmembers(ParallelismConfig):
+            if isinstance(member, property):
+                getattr(config, name)
+        config.mesh_shape(), config.describe(), config.to_json(), repr(config), config == ParallelismConfig()
+        config.validate(config.total_size, device_type="cpu")
+        config.validate(config.total_size, device_type=None)
+        with pytest.raises(ConfigurationError, match="no mesh"):
+            config.get_device_mesh()
+        assert vars(config) == before
+    assert read == []
+
+
+def test_the_launch_fills_a_new_config_and_the_callers_values_win():
+    launch = {"parallelism_config_dp_shard_size": 2, "parallelism_config_tp_size": "2",
+              "parallelism_config_tp_enable_async_tp": "false"}
+    env = {"PARALLELISM_CONFIG_DP_SHARD_SIZE": "4", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"}
+    mine = ParallelismConfig()
+    run = resolve_parallelism_config(mine, launch_block=launch, env=env, num_processes=8)
+    assert (run.dp_replicate_size, run.dp_shard_size, run.tp_size) == (2, 2, 2)  # the launch file over the variables
+    assert run is not mine and (mine.dp_replicate_size, mine.dp_shard_size, mine.tp_size) == (1, 1, 1)
+    assert run.tp_handler == TorchTensorParallelConfig(enable_async_tp=False)
+    explicit = resolve_parallelism_config(ParallelismConfig(tp_size=4), launch_block=launch, env={}, num_processes=8)
+    assert (explicit.dp_shard_size, explicit.tp_size) == (2, 4)  # explicit values win, the rest is filled in
+    # nothing to fill: the same object; all 1s on several processes: DDP over all of them, in a new object
+    full = ParallelismConfig(dp_replicate_size=1, dp_shard_size=2, tp_size=1, cp_size=1, sp_size=1, cp_backend="torch",
+                             sp_backend="deepspeed")
+    assert resolve_parallelism_config(full, launch_block={"parallelism_config_dp_shard_size": 4}, env=env,
+                                      num_processes=2) is full
+    ddp = resolve_parallelism_config(mine, env={}, num_processes=4)
+    assert (ddp.dp_replicate_size, ddp.total_size, mine.dp_replicate_size) == (4, 4, 1)
+    assert resolve_parallelism_config(None, env=env, num_processes=4) is None
 
 
 def test_a_wrong_product_fails_before_any_process_group_starts():
@@ -172,9 +230,11 @@ def test_a_config_file_block_reaches_the_dry_run_and_the_workers(tmp_path, capsy
     """A config file's `parallelism_config:` block: the dry run prints the mesh, the workers get the sizes.
 
     `hasten launch --config_file ... --dry_run` prints the 3-D mesh and the process count it implies;
-    the workers' `ParallelismConfig()` reads the sizes from the environment the launcher gives them.
+    the workers' runs take the sizes from the environment the launcher gives them.
     """
     from hasten.commands.main import main
+    from hasten.config.env import launch_config
+    from hasten.connector import resolve_settings
 
     script, config_file = tmp_path / "train.py", tmp_path / "config.yaml"
     script.write_text("")
@@ -187,8 +247,11 @@ def test_a_config_file_block_reaches_the_dry_run_and_the_workers(tmp_path, capsy
     assert "device mesh:   DeviceMesh(dp_replicate=2 x dp_shard=2 x tp=2) over 8 processes; data-parallel size 4" in printed
     (line,) = [line for line in printed.splitlines() if "HASTEN_LAUNCH_CONFIG=" in line]
     monkeypatch.setenv("HASTEN_LAUNCH_CONFIG", line.split("=", 1)[1])
-    worker = ParallelismConfig()
-    assert (worker.dp_replicate_size, worker.dp_shard_size, worker.tp_size, worker.cp_size) == (2, 2, 2, 1)
+    launch = launch_config()
+    given = resolve_settings({}, launch).parallelism_config  # Accelerator() with no config: the launch's
+    filled = resolve_parallelism_config(ParallelismConfig(), launch_block=launch.parallelism_config, num_processes=8)
+    for worker in (given, filled):  # Accelerator(parallelism_config=ParallelismConfig()): filled in by the run
+        assert (worker.dp_replicate_size, worker.dp_shard_size, worker.tp_size, worker.cp_size) == (2, 2, 2, 1)
 
 
 def test_tp_plans_expand_patterns_and_check_divisibility():
@@ -263,14 +326,37 @@ def test_hsdp_matches_ddp_and_tp_matches_one_process(tmp_path):
 
 
 @pytest.mark.world_size(4, timeout=400)
-def test_data_follows_the_mesh_and_metrics_gather_each_sample_once():
-    accelerator, model, optimizer = _prepared(_config(shard=2, tp=2))
+def test_one_mesh_per_run_data_follows_it_and_metrics_gather_each_sample_once():
+    from unittest import mock
+
+    from torch.distributed import device_mesh
+
+    from hasten.state import AcceleratorState
+
+    builds = {"build_device_mesh": 0, "init_device_mesh": 0}
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            builds[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    with mock.patch.object(ParallelismConfig, "build_device_mesh",
+                           counted("build_device_mesh", ParallelismConfig.build_device_mesh)), \
+         mock.patch.object(device_mesh, "init_device_mesh", counted("init_device_mesh", device_mesh.init_device_mesh)):
+        accelerator, model, optimizer = _prepared(_config(shard=2, tp=2))
+        _train(accelerator, model, optimizer, range(2))
+        mine, everyone, gathered = _read_through_mesh(accelerator, 10)
+    # built once, by the one builder, and handed to whoever needs it
+    assert builds == {"build_device_mesh": 1, "init_device_mesh": 1}
+    mesh = accelerator.torch_device_mesh
+    assert mesh is accelerator.parallelism_config.device_mesh is AcceleratorState().device_mesh
+    assert accelerator._strategy.world_mesh is mesh and accelerator._strategy.device_mesh.mesh_dim_names == ("dp_shard",)
     rank = dist.get_rank()
     assert (accelerator.num_processes, accelerator._data_parallel_position()) == (4, (2, rank // 2))
     assert (accelerator.data_parallel_shard_rank, accelerator.tensor_parallel_rank) == (rank // 2, rank % 2)
     assert (accelerator.data_parallel_rank, accelerator.context_parallel_rank) == (0, 0)  # not in use: 0
     assert accelerator.is_composable_parallelism_enabled
-    mine, everyone, gathered = _read_through_mesh(accelerator, 10)
     assert torch.equal(everyone[0], everyone[1]) and torch.equal(everyone[2], everyone[3])  # TP pairs share
     assert not torch.equal(everyone[0], everyone[2])  # the two data-parallel ranks do not
     assert sorted(torch.cat(gathered).tolist()) == [float(i) for i in range(10)]  # once each, padding dropped

@@ -13,11 +13,11 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from hasten.base.dataclasses import DataLoaderConfiguration, ProjectConfiguration
     from hasten.connector import Settings
     from hasten.precision import Precision
     from hasten.state import AcceleratorState, GradientState
     from hasten.strategies import Strategy
-    from hasten.utils.dataclasses import DataLoaderConfiguration, ProjectConfiguration
 
 
 class AcceleratorBase:

@@ -9,8 +9,8 @@ from typing import Any
 from torch import nn
 
 from hasten.accelerator._base import AcceleratorBase
-from hasten.utils.dataclasses import DistributedType
-from hasten.utils.refusals import LOMO, refusal
+from hasten.base.dataclasses import DistributedType
+from hasten.base.refusals import LOMO, refusal
 
 _MULTI_DEVICE = {DistributedType.MULTI_GPU, DistributedType.MULTI_NPU, DistributedType.MULTI_MLU,
                  DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA, DistributedType.MULTI_XPU,
@@ -42,7 +42,7 @@ class TrivialFeaturesMixin(AcceleratorBase):
     @property
     def fp8_backend(self) -> Any:
         """The fp8 engine in use: ``FP8BackendType.AO`` under fp8, else ``NO``."""
-        from hasten.utils.fp8 import FP8BackendType
+        from hasten.base.fp8 import FP8BackendType
 
         return FP8BackendType.AO if self.state.mixed_precision == "fp8" else FP8BackendType.NO
 

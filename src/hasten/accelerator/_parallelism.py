@@ -4,11 +4,17 @@
 Data follows the mesh: ranks of one tensor/context-parallel group read the same batch, so data loaders
 are sharded over the mesh's ``dp`` dimension only (:meth:`NDParallelismMixin._data_parallel_position`), and
 ``gather_for_metrics`` keeps what the ranks at coordinate 0 of every other dimension hold.
+
+The layout has one path: :func:`resolve_layout` completes the user's ``ParallelismConfig`` into the
+run's (a new object) before any group starts, and :func:`with_run_mesh` builds its mesh once, when
+the group runs, onto that config, which the ``Accelerator`` hands to the strategy and to
+``AcceleratorState``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,42 +22,48 @@ import torch
 import torch.distributed as dist
 
 from hasten.accelerator._base import AcceleratorBase
-from hasten.connector import uses_nd_strategy
+from hasten.base.dataclasses import DistributedType
+from hasten.config.parallelism import resolve_parallelism_config
 from hasten.devices import select_device
-from hasten.environments import current_process_info
-from hasten.utils.dataclasses import DistributedType
+from hasten.environments import current_process_info, process_group
 
 #: The mesh dimensions along which ranks read different batches.
 _DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
 
 
-def check_parallelism_sizes(config: Any, cpu: bool) -> None:
-    """Refuse a ``ParallelismConfig`` this run cannot use, before the process group is started.
+def resolve_layout(config: Any, launch: Any, cpu: bool) -> Any:
+    """The run's ``ParallelismConfig`` (the user's is never changed), checked before any process group starts.
+
+    ``config`` is completed by the config channel (:func:`~hasten.config.parallelism.resolve_parallelism_config`:
+    sizes left unset from ``launch``'s ``parallelism_config`` block and Accelerate's ``PARALLELISM_CONFIG_*``
+    variables; all 1s on several processes is DDP over all of them), then validated for this run.
 
     Raises:
         ConfigurationError: the sizes' product is not the number of processes, or a combination this
             device cannot run (see ``ParallelismConfig.validate``).
     """
     if config is None:
-        return
+        return None
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
     else:
         world = current_process_info()[1].world_size
-    if config.total_size == 1 and world > 1:  # as in Accelerate: no sizes on several processes is DDP over all
-        config._set_size("dp_replicate", world)
-    config.validate(world, device_type=select_device(cpu=cpu).name)
+    block = launch.parallelism_config if launch is not None else None
+    resolved = resolve_parallelism_config(config, launch_block=block, num_processes=world)
+    resolved.validate(world, device_type=select_device(cpu=cpu).name)
+    return resolved
 
 
-def build_mesh(config: Any, strategy: Any) -> Any:
-    """The run's named ``DeviceMesh`` (None without a ``ParallelismConfig``, or with one process and no group)."""
-    if config is None:
-        return None
-    if uses_nd_strategy(config):
-        return strategy.world_mesh
-    if not dist.is_initialized():
-        return None
-    return config.build_device_mesh(strategy.device.type)
+def with_run_mesh(config: Any, device_type: str) -> Any:
+    """The run's ``ParallelismConfig`` carrying its ``DeviceMesh``: built here, once per run, by the one builder
+    (``config.build_device_mesh``), after the process group started and before the strategy exists.
+
+    The strategy and ``AcceleratorState`` take the mesh from the returned config (a new object).
+    ``config`` itself when there is nothing to lay out: no config, or one process and no group.
+    """
+    if config is None or not process_group.group_running():
+        return config
+    return dataclasses.replace(config, device_mesh=config.build_device_mesh(device_type))
 
 
 def data_parallel_leaders(mesh: Any) -> list[int]:
@@ -161,4 +173,4 @@ class NDParallelismMixin(AcceleratorBase):
             yield
 
 
-__all__ = ["NDParallelismMixin", "build_mesh", "check_parallelism_sizes", "data_parallel_leaders"]
+__all__ = ["NDParallelismMixin", "data_parallel_leaders", "resolve_layout", "with_run_mesh"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import os
 import warnings
@@ -16,19 +17,11 @@ from torch import nn
 from hasten.accelerator._checkpoint import CheckpointMixin
 from hasten.accelerator._collectives import CollectivesMixin
 from hasten.accelerator._compat import TrivialFeaturesMixin
-from hasten.accelerator._parallelism import NDParallelismMixin, build_mesh, check_parallelism_sizes
+from hasten.accelerator._parallelism import NDParallelismMixin, resolve_layout, with_run_mesh
 from hasten.accelerator._prepare import PrepareMixin
 from hasten.accelerator._process import ProcessControlMixin
 from hasten.accelerator._tracking import TrackingMixin
-from hasten.config import env as hasten_env
-from hasten.connector import build_parts, resolve_settings
-from hasten.exceptions import ConfigurationError
-from hasten.ops.watchdog import TRACKER
-from hasten.precision import detach_autocast_forward
-from hasten.precision.fp8 import ao_recipe_from_launch
-from hasten.state import AcceleratorState, GradientState
-from hasten.tracking import filter_trackers
-from hasten.utils.dataclasses import (
+from hasten.base.dataclasses import (
     PROFILE_PATTERN_NAME,
     AutocastKwargs,
     DataLoaderConfiguration,
@@ -41,8 +34,16 @@ from hasten.utils.dataclasses import (
     ProfileKwargs,
     ProjectConfiguration,
 )
-from hasten.utils.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
-from hasten.utils.modeling import extract_model_from_parallel
+from hasten.base.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+from hasten.base.modeling import extract_model_from_parallel
+from hasten.config import env as hasten_env
+from hasten.connector import build_parts, resolve_settings
+from hasten.environments.watchdog import TRACKER
+from hasten.exceptions import ConfigurationError
+from hasten.precision import detach_autocast_forward
+from hasten.precision.fp8 import ao_recipe_from_launch
+from hasten.state import AcceleratorState, GradientState
+from hasten.tracking import filter_trackers
 
 _NOT_GIVEN: Any = object()
 _HANDLER_ATTRIBUTES = {
@@ -173,18 +174,23 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
             # torchao's defaults (as Accelerate fills in), with the launch configuration's AO switches
             recipe = ao_recipe_from_launch(launch.fp8_config if launch is not None else None)
             self.ao_recipe_handler = handlers[AORecipeKwargs] = recipe
-        check_parallelism_sizes(self._settings.parallelism_config, self._settings.cpu)  # before any group starts
+        # The run's layout, completed from the launch and checked before any group starts (a new config).
+        self._settings = dataclasses.replace(self._settings, parallelism_config=resolve_layout(
+            self._settings.parallelism_config, launch, self._settings.cpu))
         init_kwargs = self.init_handler.to_kwargs() if self.init_handler is not None else {}
         self.state = AcceleratorState(mixed_precision=self._settings.mixed_precision, cpu=self._settings.cpu,
                                       fsdp_plugin=self._settings.fsdp_plugin,
                                       deepspeed_plugin=self._settings.deepspeed_plugin,
                                       parallelism_config=self._settings.parallelism_config,
                                       _from_accelerator=True, **init_kwargs)
+        # The mesh, built once now that the group runs; the strategy and the state take it from the config.
+        self._settings = dataclasses.replace(self._settings, parallelism_config=with_run_mesh(
+            self._settings.parallelism_config, self.state.device.type))
+        self.state._attach_layout(self._settings.parallelism_config)
         self._precision, self._strategy = build_parts(self._settings, self.state.device, self.state.distributed_type,
                                                       self.state.num_processes, handlers)
         self.state._attach_strategy(self._strategy)  # the state answers from it (and the static trigger_sync_in_backward)
         self._strategy.setup()
-        self.state.device_mesh = build_mesh(self._settings.parallelism_config, self._strategy)
         self._backward = self._strategy.backward_fn()  # fixed with the strategy: asked once
         self._use_distributed = bool(self.state.use_distributed)  # for accumulate(): fixed for the run
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
@@ -442,8 +448,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
         """Save ``obj`` once (main process, or each machine's first with ``save_on_each_node``), atomically."""
+        from hasten.base.serialization import save_atomically
         from hasten.state_helpers import writes_shared_files
-        from hasten.utils.serialization import save_atomically
 
         if writes_shared_files(self.project_configuration.save_on_each_node):
             save_atomically(obj, f, safe_serialization=safe_serialization)

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.base.sizes import convert_file_size_to_int
 from hasten.big_modeling.extras import align_module_device
 from hasten.big_modeling.tensors import has_offloaded_params
-from hasten.utils.sizes import convert_file_size_to_int
 
 
 def check_device_same(first_device: torch.device, second_device: torch.device) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hasten.utils.environment import parse_flag_from_env
+from hasten.base.environment import parse_flag_from_env
 
 _INCLUDE_BUFFERS_VARIABLE = "ACCELERATE_INIT_INCLUDE_BUFFERS"
 

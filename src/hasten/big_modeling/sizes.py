@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.base.sizes import convert_file_size_to_int
 from hasten.big_modeling.tensors import dtype_byte_size, is_integer_dtype, named_module_tensors, str_to_dtype
-from hasten.utils.sizes import convert_file_size_to_int
 
 logger = logging.getLogger(__name__)
 

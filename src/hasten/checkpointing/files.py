@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.base.serialization import atomic_path
 from hasten.checkpointing import background, safe_load, sealing
 from hasten.checkpointing.rng import CheckpointError
-from hasten.utils.serialization import atomic_path
 
 SAFE_MODEL = "model{suffix}.safetensors"
 BIN_MODEL = "pytorch_model{suffix}.bin"

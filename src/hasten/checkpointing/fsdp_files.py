@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.base.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+from hasten.base.imports import is_peft_model
 from hasten.checkpointing import dcp
 from hasten.checkpointing.safe_load import torch_load
 from hasten.exceptions import ConfigurationError
-from hasten.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
-from hasten.utils.imports import is_peft_model
 
 logger = logging.getLogger(__name__)
 

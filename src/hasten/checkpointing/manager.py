@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from hasten.base.dataclasses import ProjectConfiguration
 from hasten.checkpointing import background, files as ckpt, restore_checks as checks
 from hasten.checkpointing.manifest import my_share, read_manifest, verify_files
 from hasten.checkpointing.naming import (
@@ -58,7 +59,6 @@ from hasten.checkpointing.sealing import Sealer
 from hasten.checkpointing.transaction import Transaction
 from hasten.exceptions import CheckpointError
 from hasten.ops.collectives import barrier, broadcast_object_list, gather_object
-from hasten.utils.dataclasses import ProjectConfiguration
 
 
 class CheckedModels(Protocol):

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hasten.base.serialization import atomic_path, fsync_dir
 from hasten.checkpointing.rng import CheckpointError
-from hasten.utils.serialization import atomic_path, fsync_dir
 
 MANIFEST = "hasten_checkpoint.json"
 STAGING_MARKER = ".hasten_staging"

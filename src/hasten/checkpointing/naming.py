@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from hasten.base.serialization import fsync_dir
 from hasten.checkpointing.manifest import (
     MANIFEST,
     STAGING_MARKER,
@@ -32,7 +33,6 @@ from hasten.checkpointing.manifest import (
 )
 from hasten.checkpointing.ownership import foreign_entries, owned_files, remove_owned
 from hasten.checkpointing.rng import CheckpointError
-from hasten.utils.serialization import fsync_dir
 
 #: Test-only instrumentation: callables run as ``hook(stage, folder)`` at the stages of a save:
 #: "staged" (staging folder created, nothing written), "before_publish" (every file written),

@@ -19,7 +19,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from hasten.utils.serialization import fsync_file
+from hasten.base.serialization import fsync_file
 
 
 class Sealer:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
+from hasten.base.serialization import atomic_path
+from hasten.base.sizes import convert_file_size_to_int
 from hasten.checkpointing.files import dedupe_shared_tensors, torch_save
-from hasten.utils.serialization import atomic_path
-from hasten.utils.sizes import convert_file_size_to_int
 
 _SHARD_RE = re.compile(r"^(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)$")
 

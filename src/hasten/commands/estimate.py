@@ -47,7 +47,7 @@ def verify_on_hub(repo: str, token: str | None = None) -> Any:
 def check_has_model(error: BaseException) -> str:
     """Which library (``"timm"``, ``"transformers"``) raised ``error`` for a model it could not find, else
     ``"unknown"``."""
-    from hasten.utils.imports import is_timm_available, is_transformers_available
+    from hasten.base.imports import is_timm_available, is_transformers_available
 
     message = str(error)
     if is_timm_available() and ((isinstance(error, RuntimeError) and "Unknown model" in message)

@@ -3,7 +3,7 @@ and help helpers.
 
 hasten has one launcher path (``launch_command``: a validated plan, then torchrun's agent or one process),
 so ``simple_launcher``, ``multi_gpu_launcher`` and ``deepspeed_launcher`` all run it; TPU and SageMaker
-launchers are refused (:mod:`hasten.utils.unsupported`).
+launchers are refused (:mod:`hasten.base.unsupported`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from hasten.utils.refusals import TPU, refusal
+from hasten.base.refusals import TPU, refusal
 
 __all__ = ["register", "tpu_command_launcher", "tpu_command_parser"]
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+from hasten.base.environment import as_bool
 from hasten.config.schema import LaunchConfig
-from hasten.utils.environment import as_bool
 
 LAUNCH_CONFIG_VAR = "HASTEN_LAUNCH_CONFIG"
 DEBUG_MODE_VAR = "HASTEN_DEBUG_MODE"

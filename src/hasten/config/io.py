@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hasten.base.environment import current_environment
 from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError
-from hasten.utils.environment import current_environment
 
 CONFIG_FILE_NAME = "default_config.yaml"
 HOME_VAR = "HASTEN_HOME"

@@ -7,7 +7,12 @@ replication is outermost (slowest link). Flattened views are added under Acceler
 ``"dp_cp"`` (the ranks gradients are averaged over).
 
 Everything here is arithmetic on sizes, checked before any process group starts, except
-:meth:`ParallelismConfig.build_device_mesh`.
+:meth:`ParallelismConfig.build_device_mesh`, the one builder of a hasten ``DeviceMesh``.
+
+A ``ParallelismConfig`` is pure: it holds what its caller gave (sizes left ``None`` read 1) and
+checks it; it never reads the environment and no method changes it. What the launch adds (``hasten
+launch --parallelism_config_*``, Accelerate's ``PARALLELISM_CONFIG_*`` variables, "all 1s on several
+processes is DDP") is applied by :func:`resolve_parallelism_config`, which returns a new config.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from hasten._private_api import flatten_mesh
 from hasten.exceptions import ConfigurationError
@@ -26,6 +31,8 @@ MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
 #: Tensor-parallel styles a plan may name (``ParallelStyle`` objects are accepted too).
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
 _SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+#: What the launch may fill in where the caller gave None.
+_FILLABLE = (*_SIZE_FIELDS, "cp_backend", "sp_backend", "tp_handler", "cp_handler")
 
 
 @dataclass
@@ -80,9 +87,12 @@ class TorchContextParallelConfig:
 class ParallelismConfig:
     """How the processes of a run are arranged: Accelerate's ``ParallelismConfig`` (same fields, same order).
 
-    Sizes left ``None`` come from ``hasten launch --parallelism_config_*`` (or the config file's
-    ``parallelism_config`` block) when the script was launched with them, else 1. Their product must
-    equal the number of processes; all 1 on several processes means DDP over all of them.
+    Pure: sizes left ``None`` read 1 here, and the object never changes afterwards. The run fills
+    them from ``hasten launch --parallelism_config_*`` (or the config file's ``parallelism_config``
+    block) and Accelerate's ``PARALLELISM_CONFIG_*`` variables through
+    :func:`resolve_parallelism_config`, into a new config (``accelerator.parallelism_config``).
+    The sizes' product must equal the number of processes; all 1 on several processes means DDP
+    over all of them.
 
     Args:
         dp_replicate_size: full replicas (DDP, or the replicate dimension of HSDP).
@@ -112,13 +122,16 @@ class ParallelismConfig:
     tp_handler: TorchTensorParallelConfig | None = None
     cp_handler: TorchContextParallelConfig | None = None
     sp_handler: Any = None
+    #: The run's mesh: set only on the config the ``Accelerator`` resolves (``accelerator.parallelism_config``).
     device_mesh: Any = field(default=None, repr=False, compare=False)
+    #: The fields the caller left ``None`` (what :func:`resolve_parallelism_config` may fill in).
+    _unset: frozenset[str] = field(init=False, repr=False, compare=False, default=frozenset())
 
     def __post_init__(self) -> None:
-        launched = _launch_block()
+        self._unset = frozenset(name for name in _FILLABLE if getattr(self, name) is None)
         for name in _SIZE_FIELDS:
             value = getattr(self, name)
-            value = launched.get(name, 1) if value is None else value
+            value = 1 if value is None else value
             if isinstance(value, bool) or not isinstance(value, int) and not str(value).isdigit():
                 raise ConfigurationError(f"ParallelismConfig {name}={value!r} must be a positive integer.")
             if int(value) < 1:
@@ -133,9 +146,9 @@ class ParallelismConfig:
                 f"sp_size={self.sp_size}: DeepSpeed-Ulysses sequence parallelism is not available in hasten. Split "
                 "long sequences with context parallelism (cp_size, on CUDA) instead, or use sp_size=1.")
         if (self.tp_size or 1) > 1 and self.tp_handler is None:
-            self.tp_handler = launched.get("tp_handler") or TorchTensorParallelConfig()
+            self.tp_handler = TorchTensorParallelConfig()
         if (self.cp_size or 1) > 1 and self.cp_handler is None:
-            self.cp_handler = launched.get("cp_handler") or TorchContextParallelConfig()
+            self.cp_handler = TorchContextParallelConfig()
         if self.tp_handler is not None and not isinstance(self.tp_handler, TorchTensorParallelConfig):
             raise ConfigurationError(f"tp_handler must be a TorchTensorParallelConfig, got {type(self.tp_handler).__name__}.")
         if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
@@ -148,11 +161,8 @@ class ParallelismConfig:
     def to_json(self) -> str:
         """The sizes, backends and handlers (as dicts) as JSON; the mesh is left out."""
         data = {key: (dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value)
-                for key, value in vars(self).items() if key != "device_mesh"}
+                for key, value in vars(self).items() if key not in ("device_mesh", "_unset")}
         return json.dumps(data, default=repr)
-
-    def _set_size(self, parallelism: str, size: int) -> None:
-        setattr(self, f"{parallelism}_size", size)
 
     # --------------------------------------------------------------------------------- sizes
     @property
@@ -273,7 +283,11 @@ class ParallelismConfig:
 
     # ------------------------------------------------------------------------------------ mesh
     def build_device_mesh(self, device_type: str) -> Any:
-        """Create the ``DeviceMesh`` (needs the process group) with the flattened data-parallel views."""
+        """A new ``DeviceMesh`` of these sizes (needs the process group), with the flattened data-parallel views.
+
+        hasten's one mesh builder: an ``Accelerator`` calls it once per run and hands the mesh to the
+        strategy and to ``accelerator.parallelism_config`` (this config itself is left unchanged).
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         names, sizes = self.mesh_shape()
@@ -282,16 +296,23 @@ class ParallelismConfig:
         for flat, parts in (("dp", self.dp_dim_names), ("dp_shard_cp", self.dp_shard_cp_dim_names),
                             ("dp_cp", self.dp_cp_dim_names)):
             flatten_mesh(mesh[tuple(parts)], flat)
-        self.device_mesh = mesh
         return mesh
 
     def get_device_mesh(self, device_type: str | None = None) -> Any:
-        """The mesh built before (``device_type`` builds it when there is none yet)."""
-        if self.device_mesh is None:
-            if device_type is None:
-                raise ConfigurationError("The device mesh is not built yet: pass device_type, or prepare a model first.")
-            self.build_device_mesh(device_type)
-        return self.device_mesh
+        """The run's mesh (on ``accelerator.parallelism_config``); on a config without one, ``device_type``
+        builds a new mesh, which is returned and not kept (the config never changes).
+
+        Raises:
+            ConfigurationError: no mesh and no ``device_type``, or a ``device_type`` other than the mesh's.
+        """
+        if self.device_mesh is not None:
+            if device_type is not None and device_type != self.device_mesh.device_type:
+                raise ConfigurationError(f"The run's mesh is on {self.device_mesh.device_type!r}, not {device_type!r}.")
+            return self.device_mesh
+        if device_type is None:
+            raise ConfigurationError("This ParallelismConfig has no mesh: use the run's (accelerator.torch_device_mesh "
+                                     "or accelerator.parallelism_config.get_device_mesh()), or pass device_type.")
+        return self.build_device_mesh(device_type)
 
 
 def parallelism_config_from_launch(launch: Mapping[str, Any]) -> ParallelismConfig | None:
@@ -300,14 +321,47 @@ def parallelism_config_from_launch(launch: Mapping[str, Any]) -> ParallelismConf
     return ParallelismConfig(**sizes) if sizes else None
 
 
-def _launch_block() -> dict[str, Any]:
-    """The launch configuration's parallelism fields (defaults for sizes left ``None``), over Accelerate's
-    ``PARALLELISM_CONFIG_*`` variables (as Accelerate's ``ParallelismConfig`` reads them)."""
-    from hasten.config.env import accelerate_parallelism_env, launch_config_dict
+@overload
+def resolve_parallelism_config(config: ParallelismConfig, *, launch_block: Mapping[str, Any] | None = None,
+                               env: Mapping[str, str] | None = None, num_processes: int = 1) -> ParallelismConfig: ...
 
-    fields = _block_fields({"parallelism_config": accelerate_parallelism_env()})
-    fields.update(_block_fields(launch_config_dict()))
-    return fields
+
+@overload
+def resolve_parallelism_config(config: None, *, launch_block: Mapping[str, Any] | None = None,
+                               env: Mapping[str, str] | None = None, num_processes: int = 1) -> None: ...
+
+
+def resolve_parallelism_config(config: ParallelismConfig | None, *, launch_block: Mapping[str, Any] | None = None,
+                               env: Mapping[str, str] | None = None,
+                               num_processes: int = 1) -> ParallelismConfig | None:
+    """The run's ``ParallelismConfig``: ``config`` plus what the launch says; ``config`` itself never changes.
+
+    The fields ``config`` left ``None`` (``ParallelismConfig._unset``) are taken from the launch
+    configuration's ``parallelism_config`` block (``hasten launch --parallelism_config_*``), over
+    Accelerate's ``PARALLELISM_CONFIG_*`` variables (``accelerate launch``; read from ``env``, the
+    process environment when None), as Accelerate's ``ParallelismConfig()`` reads them. Then, as in
+    Accelerate, every size 1 on several processes is DDP over all of them (``dp_replicate_size``).
+
+    Returns:
+        ``config`` itself when nothing changes (and None for None), else a new config
+        (``dataclasses.replace``).
+
+    Example:
+        >>> resolve_parallelism_config(ParallelismConfig(), env={"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"},
+        ...                            num_processes=2).dp_shard_size
+        2
+    """
+    if config is None:
+        return None
+    from hasten.config.env import accelerate_parallelism_env
+
+    launched = _block_fields({"parallelism_config": accelerate_parallelism_env(env)})
+    launched.update(_block_fields({"parallelism_config": launch_block or {}}))
+    changes = {name: value for name, value in launched.items() if name in config._unset}
+    resolved = dataclasses.replace(config, **changes) if changes else config
+    if resolved.total_size == 1 and num_processes > 1:
+        resolved = dataclasses.replace(resolved, dp_replicate_size=num_processes)
+    return resolved
 
 
 def _block_fields(launch: Mapping[str, Any]) -> dict[str, Any]:
@@ -347,4 +401,4 @@ def _is_parallel_style(style: Any) -> bool:
 
 
 __all__ = ["MESH_ORDER", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
-           "parallelism_config_from_launch"]
+           "parallelism_config_from_launch", "resolve_parallelism_config"]

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hasten.environments.debug_checks import disable_debug_checks, enable_debug_checks
+from hasten.environments.watchdog import process_group_timeout, start_watchdog, stop_watchdog
 from hasten.exceptions import DistributedOperationError
-from hasten.ops.debug import disable_debug_checks, enable_debug_checks
-from hasten.ops.watchdog import process_group_timeout, start_watchdog, stop_watchdog
 
 _BEFORE_END: list[Callable[[], None]] = []
 #: What this module installed process-wide, each at most once per process: the atexit teardown and the

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from hasten._accelerate_alias import install_unless_real_accelerate
+from hasten.base.environment import patch_environment
 from hasten.config.env import launch_config_to_env
 from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError, LaunchError
-from hasten.utils.environment import patch_environment
 
 _PRECISIONS = ("no", "fp16", "bf16", "fp8")
 

@@ -14,9 +14,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from hasten.base.environment import patch_environment
 from hasten.exceptions import LaunchError
 from hasten.launchers.plan import HANG_EXIT_CODE, WORKER_MODULE, LaunchOptions, LaunchPlan
-from hasten.utils.environment import patch_environment
 
 #: ``hasten launch``'s exit status when the network check failed (as when the machines could not meet).
 NETWORK_CHECK_EXIT_CODE = 1

@@ -1,5 +1,11 @@
-"""Stateless tensor-tree helpers and collectives (torch.distributed only; no hasten state)."""
+"""Stateless tensor-tree helpers and collectives (torch.distributed only; no hasten state).
 
+What the collectives report to (the hang watchdog's tracker, debug mode's checks) is process-group
+state and lives in :mod:`hasten.environments` with the group's lifetime; ``tests/test_house_rules.py``
+keeps module-level mutable state and threads out of this package.
+"""
+
+from hasten.environments.debug_checks import debug_checks_enabled, verify_operation
 from hasten.ops.collectives import (
     barrier,
     broadcast,
@@ -11,7 +17,6 @@ from hasten.ops.collectives import (
     pad_input_tensors,
     reduce,
 )
-from hasten.ops.debug import debug_checks_enabled, verify_operation
 from hasten.ops.random import set_seed, synchronize_rng_state, synchronize_rng_states
 from hasten.ops.tree import (
     concatenate,

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hasten.environments.debug_checks import debug_checks_enabled, verify_operation as _verify
 from hasten.exceptions import DistributedOperationError
 from hasten.ops.collectives import is_distributed
-from hasten.ops.debug import debug_checks_enabled, verify_operation as _verify
 from hasten.ops.tree import convert_to_fp32, recursively_apply
 
 #: Accelerate's integer codes of tensor dtypes (its ``gather_tensor_shape`` metadata) and their inverse.

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from hasten.base.dataclasses import AutocastKwargs, GradScalerKwargs
+from hasten.base.fp8 import AORecipeKwargs
 from hasten.exceptions import ConfigurationError
 from hasten.precision.amp import BF16Precision, FP16Precision
 from hasten.precision.base import Precision, attach_autocast_forward, detach_autocast_forward
 from hasten.precision.fp8 import FP8Precision
-from hasten.utils.dataclasses import AutocastKwargs, GradScalerKwargs
-from hasten.utils.fp8 import AORecipeKwargs
 
 SUPPORTED = ("no", "fp16", "bf16")
 

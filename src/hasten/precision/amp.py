@@ -10,9 +10,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hasten.base.dataclasses import AutocastKwargs, GradScalerKwargs
 from hasten.exceptions import ConfigurationError
 from hasten.precision.base import Precision, attach_autocast_forward
-from hasten.utils.dataclasses import AutocastKwargs, GradScalerKwargs
 
 
 class _AutocastPrecision(Precision):

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hasten.base.dataclasses import AutocastKwargs
 from hasten.ops.tree import convert_to_fp32
-from hasten.utils.dataclasses import AutocastKwargs
 
 
 class Precision:

@@ -12,10 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from hasten.exceptions import ConfigurationError, MissingDependencyError
-from hasten.precision.amp import BF16Precision
-from hasten.utils.dataclasses import AutocastKwargs
-from hasten.utils.fp8 import (
+from hasten.base.dataclasses import AutocastKwargs
+from hasten.base.fp8 import (
     AORecipeKwargs,
     FP8RecipeKwargs,
     MSAMPRecipeKwargs,
@@ -23,6 +21,8 @@ from hasten.utils.fp8 import (
     ao_float8_config,
     convert_model_to_fp8_ao,
 )
+from hasten.exceptions import ConfigurationError, MissingDependencyError
+from hasten.precision.amp import BF16Precision
 
 # float8 tensor-core matmuls (torch._scaled_mm on CUDA) exist from Ada Lovelace (8.9) and Hopper (9.0) on.
 FP8_MIN_CAPABILITY = (8, 9)
@@ -120,7 +120,7 @@ class FP8Precision(BF16Precision):
 
     def convert_module(self, model: nn.Module) -> None:
         """Swap the selected linear layers of ``model`` for float8 ones, in place (once)."""
-        from hasten.utils.modeling import has_ao_layers
+        from hasten.base.modeling import has_ao_layers
 
         if has_ao_layers(model):
             return

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.base.dataclasses import AutocastKwargs
 from hasten.config.plugins.fsdp import policy_dtype, policy_from_fields
 from hasten.precision.base import Precision
-from hasten.utils.dataclasses import AutocastKwargs
 
 
 class FSDPPrecision(Precision):

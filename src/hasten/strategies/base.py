@@ -11,11 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.base.dataclasses import DistributedType
 from hasten.checkpointing import files as ckpt, restore_checks as checks
 from hasten.checkpointing.sealing import Sealer
 from hasten.environments import process_group
 from hasten.precision import Precision
-from hasten.utils.dataclasses import DistributedType
 
 
 @dataclass

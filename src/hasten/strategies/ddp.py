@@ -11,8 +11,8 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hasten.base.dataclasses import DistributedDataParallelKwargs
 from hasten.strategies.base import Strategy
-from hasten.utils.dataclasses import DistributedDataParallelKwargs
 
 _UNUSED_HINT = (
     "\nHINT: some parameters did not take part in the loss. Pass "

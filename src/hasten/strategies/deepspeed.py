@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO (stages 0-3, CPU/NVMe offload) behind the ordinary Accelerator loop.
 
-``deepspeed`` is imported (lazily, when the strategy is built) through ``hasten.utils.deepspeed_runtime``.
+``deepspeed`` is imported (lazily, when the strategy is built) through ``hasten.base.deepspeed_runtime``.
 ``accelerator.backward(loss)`` runs ``engine.backward(loss)`` and, on synchronising micro-steps,
 ``engine.step()`` (clipping, optimizer step, zero_grad, engine-driven scheduler); the prepared
 optimizer's ``step``/``zero_grad`` then do nothing. Checkpoints are the engine's own
@@ -22,6 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.base.dataclasses import DistributedType
+from hasten.base.deepspeed import DummyOptim, DummyScheduler
+
+# Re-exported: these lived here before moving below the plugin (which calls them).
+from hasten.base.deepspeed_runtime import import_deepspeed, set_z3_leaf_modules_by_name, zero3_init_context
 from hasten.checkpointing import CheckpointError
 from hasten.checkpointing.safe_load import check_deepspeed_files
 from hasten.checkpointing.sealing import Sealer
@@ -31,11 +36,6 @@ from hasten.exceptions import ConfigurationError
 from hasten.precision import Precision
 from hasten.precision.deepspeed import DeepSpeedPrecision
 from hasten.strategies.base import CheckedState, Strategy
-from hasten.utils.dataclasses import DistributedType
-from hasten.utils.deepspeed import DummyOptim, DummyScheduler
-
-# Re-exported: these lived here before moving below the plugin (which calls them).
-from hasten.utils.deepspeed_runtime import import_deepspeed, set_z3_leaf_modules_by_name, zero3_init_context
 
 #: Checkpoint tag of the i-th model (Accelerate's folder names ``pytorch_model``, ``pytorch_model_1``...).
 MODEL_TAG = "pytorch_model"

@@ -27,6 +27,7 @@ from hasten._private_api import (
 )
 from hasten.checkpointing import dcp as sharded, files as ckpt
 from hasten.checkpointing.sealing import Sealer
+from hasten.config.parallelism import ParallelismConfig
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
 from hasten.config.plugins.fsdp_units import (
     build_wrap_policy,
@@ -61,6 +62,8 @@ class FSDP2Strategy(Strategy):
         distributed_type: ``DistributedType.FSDP``.
         num_processes: processes in the run (1 works: a one-rank mesh).
         plugin: the ``FullyShardedDataParallelPlugin`` (defaults when None).
+        world_mesh: the run's named ``DeviceMesh`` when a ``ParallelismConfig`` lays the run out (the
+            ``Accelerator`` builds it once and hands it over); None: one over every process, built here.
 
     Example:
         >>> accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(reshard_after_forward=False))
@@ -68,7 +71,7 @@ class FSDP2Strategy(Strategy):
     """
 
     def __init__(self, device: torch.device, precision: Any, distributed_type: Any, num_processes: int = 1, *,
-                 plugin: FullyShardedDataParallelPlugin | None = None) -> None:
+                 plugin: FullyShardedDataParallelPlugin | None = None, world_mesh: Any = None) -> None:
         super().__init__(device, precision, distributed_type, num_processes)
         if plugin is None:
             plugin = FullyShardedDataParallelPlugin()
@@ -77,17 +80,29 @@ class FSDP2Strategy(Strategy):
                                      f"{type(plugin).__module__}.{type(plugin).__name__}; build it with "
                                      "`from hasten import FullyShardedDataParallelPlugin`.")
         self.fsdp_plugin = plugin
+        self._world_mesh = world_mesh
         self._mesh: Any = None
 
     # ------------------------------------------------------------------------------ mesh and policies
     @property
-    def device_mesh(self) -> Any:
-        """The 1-D data-parallel ``DeviceMesh`` over every process (created on first use)."""
-        if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
+    def world_mesh(self) -> Any:
+        """The run's named ``DeviceMesh``: the one handed over, else built here on first use by the one
+        builder (``ParallelismConfig.build_device_mesh``) from :meth:`_layout`."""
+        if self._world_mesh is None:
             self._ensure_group()
-            self._mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+            self._world_mesh = self._layout().build_device_mesh(self.device.type)
+        return self._world_mesh
+
+    def _layout(self) -> ParallelismConfig:
+        """The sizes of a mesh built here: every process on ``dp_shard``."""
+        return ParallelismConfig(dp_shard_size=dist.get_world_size())
+
+    @property
+    def device_mesh(self) -> Any:
+        """The mesh ``fully_shard`` shards over: every data-parallel rank (the world mesh's ``dp`` view)."""
+        if self._mesh is None:
+            mesh = self.world_mesh
+            self._mesh = mesh if mesh.ndim == 1 else mesh["dp"]
         return self._mesh
 
     def mixed_precision_policy(self) -> Any:

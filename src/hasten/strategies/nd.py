@@ -1,7 +1,7 @@
 """N-D parallelism on one ``DeviceMesh``: HSDP, tensor parallel, FSDP2 + TP, HSDP + TP (CP on CUDA).
 
-The mesh comes from :class:`~hasten.config.parallelism.ParallelismConfig`, laid out
-``(dp_replicate, dp_shard, cp, tp)``. Preparing a model: rank 0's full weights are kept, tensor
+The mesh comes with the :class:`~hasten.config.parallelism.ParallelismConfig` (``config.device_mesh``: the
+``Accelerator`` builds it once per run), laid out ``(dp_replicate, dp_shard, cp, tp)``. Preparing a model: rank 0's full weights are kept, tensor
 parallel is applied on the ``tp`` sub-mesh (``parallelize_module``), then ``fully_shard`` runs over the
 data-parallel sub-mesh (2-D ``(dp_replicate, dp_shard)`` = HSDP), and rank 0's weights are scattered
 into every shard. The data-parallel mesh always exists (a ``dp_shard`` dimension of size 1 when no
@@ -44,7 +44,7 @@ class NDParallelStrategy(FSDP2Strategy):
         precision: an ``FSDPPrecision``.
         distributed_type: ``DistributedType.FSDP``.
         num_processes: processes in the run (must equal ``config.total_size``).
-        config: the sizes and handlers.
+        config: the sizes and handlers; its ``device_mesh`` is the run's mesh (built here when None).
         plugin: FSDP settings (``SHARDED_STATE_DICT`` checkpoints by default: reshardable through DCP).
     """
 
@@ -52,19 +52,14 @@ class NDParallelStrategy(FSDP2Strategy):
                  config: ParallelismConfig, plugin: FullyShardedDataParallelPlugin | None = None) -> None:
         if plugin is None:
             plugin = FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT")
-        super().__init__(device, precision, distributed_type, num_processes, plugin=plugin)
+        super().__init__(device, precision, distributed_type, num_processes, plugin=plugin,
+                         world_mesh=config.device_mesh)
         config.validate(num_processes, device_type=device.type)
         self.config = config
-        self._world_mesh: Any = None
 
     # ---------------------------------------------------------------------------------- meshes
-    @property
-    def world_mesh(self) -> Any:
-        """The whole named ``DeviceMesh`` (``accelerator.torch_device_mesh``), built on first use."""
-        if self._world_mesh is None:
-            self._ensure_group()
-            self._world_mesh = self.config.build_device_mesh(self.device.type)
-        return self._world_mesh
+    def _layout(self) -> ParallelismConfig:
+        return self.config
 
     @property
     def device_mesh(self) -> Any:

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
+from hasten.base import imports
+from hasten.base.environment import parse_flag_from_env
 from hasten.state import AcceleratorState, GradientState
 from hasten.testing import accelerate_compat as _compat
 from hasten.testing.accelerate_compat import *  # noqa: F403  (Accelerate's names, one definition each)
 from hasten.testing.accelerate_compat import get_launch_command
-from hasten.utils import imports
-from hasten.utils.environment import parse_flag_from_env
 
 
 def get_backend() -> tuple[str, int, Callable[[], int]]:

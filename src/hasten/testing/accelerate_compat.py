@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from hasten.utils import imports
+from hasten.base import imports
 
 
 class RegressionDataset(Dataset):  # type: ignore[type-arg]

@@ -33,7 +33,10 @@ def _rank_main(rank: int, world_size: int, tmp_dir: str, fn: Callable[..., Any],
                pg_timeout: float, env: dict[str, str]) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1")
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      # Forked ranks are gloo/CPU ranks: CUDA cannot be re-initialised in a forked child, and on a
+                      # GPU machine the parent may already hold a CUDA context.
+                      ACCELERATE_USE_CPU="true")
     os.environ.setdefault("MASTER_PORT", "29500")  # never used: the FileStore is the rendezvous
     torch.set_num_threads(1)  # several ranks on 2 cores: no oversubscription
     from hasten.state import reset_state

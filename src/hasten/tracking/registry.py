@@ -7,6 +7,7 @@ import os
 import warnings
 from typing import Any
 
+from hasten.base.dataclasses import LoggerType
 from hasten.exceptions import ConfigurationError, MissingDependencyError
 from hasten.tracking._clearml_comet import ClearMLTracker, CometMLTracker
 from hasten.tracking._local_trackers import AimTracker, DVCLiveTracker, SwanLabTracker, TrackioTracker
@@ -15,7 +16,6 @@ from hasten.tracking._tensorboard import TensorBoardTracker
 from hasten.tracking._wandb import WandBTracker
 from hasten.tracking.base import GeneralTracker
 from hasten.tracking.jsonl import JSONLTracker
-from hasten.utils.dataclasses import LoggerType
 
 #: Built-in tracker classes by ``LoggerType`` value (``register_tracker_class`` adds more).
 LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {

@@ -1,4 +1,4 @@
-"""Accelerate's ``accelerate.utils.ao`` path: torchao float8 helpers (defined in :mod:`hasten.utils.fp8`)."""
+"""Accelerate's ``accelerate.utils.ao`` path: torchao float8 helpers (defined in :mod:`hasten.base.fp8`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Accelerate's ``accelerate.utils.fsdp_utils``: the FSDP2 helpers under Accelerate's module path.
 
 A facade: each name resolves on first use from the part of hasten that owns it (checkpoint files from
-``hasten.checkpointing``, sharding helpers from ``hasten.utils.fsdp2``...). The two helpers defined here
+``hasten.checkpointing``, sharding helpers from ``hasten.base.fsdp2``...). The two helpers defined here
 are small, torch-only functions TRL and Accelerate's own FSDP2 preparation use.
 """
 
@@ -21,18 +21,30 @@ _EXPORTS = {
     "save_fsdp_optimizer": "hasten.checkpointing.fsdp_files",
     "load_fsdp_optimizer": "hasten.checkpointing.fsdp_files",
     "merge_fsdp_weights": "hasten.checkpointing.dcp",
-    "enable_fsdp_ram_efficient_loading": "hasten.utils.environment",
-    "disable_fsdp_ram_efficient_loading": "hasten.utils.environment",
+    "enable_fsdp_ram_efficient_loading": "hasten.base.environment",
+    "disable_fsdp_ram_efficient_loading": "hasten.base.environment",
     "ensure_weights_retied": "hasten.big_modeling",
-    "fsdp2_load_full_state_dict": "hasten.utils.fsdp2",
-    "fsdp2_switch_optimizer_parameters": "hasten.utils.fsdp2",
-    "fsdp2_apply_ac": "hasten.utils.fsdp2",
-    "fsdp2_prepare_model": "hasten.utils.fsdp2",
-    "fsdp2_canonicalize_names": "hasten.utils.fsdp2",
-    "get_fsdp2_grad_scaler": "hasten.utils.modeling",
+    "fsdp2_load_full_state_dict": "hasten.base.fsdp2",
+    "fsdp2_switch_optimizer_parameters": "hasten.base.fsdp2",
+    "fsdp2_apply_ac": "hasten.base.fsdp2",
+    "fsdp2_prepare_model": "hasten.base.fsdp2",
+    "fsdp2_canonicalize_names": "hasten.base.fsdp2",
+    "get_fsdp2_grad_scaler": "hasten.base.modeling",
 }
 
 if TYPE_CHECKING:
+    from hasten.base.environment import (
+        disable_fsdp_ram_efficient_loading as disable_fsdp_ram_efficient_loading,
+        enable_fsdp_ram_efficient_loading as enable_fsdp_ram_efficient_loading,
+    )
+    from hasten.base.fsdp2 import (
+        fsdp2_apply_ac as fsdp2_apply_ac,
+        fsdp2_canonicalize_names as fsdp2_canonicalize_names,
+        fsdp2_load_full_state_dict as fsdp2_load_full_state_dict,
+        fsdp2_prepare_model as fsdp2_prepare_model,
+        fsdp2_switch_optimizer_parameters as fsdp2_switch_optimizer_parameters,
+    )
+    from hasten.base.modeling import get_fsdp2_grad_scaler as get_fsdp2_grad_scaler
     from hasten.big_modeling import ensure_weights_retied as ensure_weights_retied
     from hasten.checkpointing.dcp import merge_fsdp_weights as merge_fsdp_weights
     from hasten.checkpointing.fsdp_files import (
@@ -41,18 +53,6 @@ if TYPE_CHECKING:
         save_fsdp_model as save_fsdp_model,
         save_fsdp_optimizer as save_fsdp_optimizer,
     )
-    from hasten.utils.environment import (
-        disable_fsdp_ram_efficient_loading as disable_fsdp_ram_efficient_loading,
-        enable_fsdp_ram_efficient_loading as enable_fsdp_ram_efficient_loading,
-    )
-    from hasten.utils.fsdp2 import (
-        fsdp2_apply_ac as fsdp2_apply_ac,
-        fsdp2_canonicalize_names as fsdp2_canonicalize_names,
-        fsdp2_load_full_state_dict as fsdp2_load_full_state_dict,
-        fsdp2_prepare_model as fsdp2_prepare_model,
-        fsdp2_switch_optimizer_parameters as fsdp2_switch_optimizer_parameters,
-    )
-    from hasten.utils.modeling import get_fsdp2_grad_scaler as get_fsdp2_grad_scaler
 
 
 def get_parameters_from_modules(modules: Iterable[nn.Module] | str | None, model: nn.Module,

@@ -1,7 +1,7 @@
 """Accelerate's ``accelerate.utils.rich``: importing it installs rich's traceback printer (needs ``rich``)."""
 
+from hasten.base.imports import is_rich_available
 from hasten.exceptions import MissingDependencyError
-from hasten.utils.imports import is_rich_available
 
 if not is_rich_available():
     raise MissingDependencyError("rich", "rich tracebacks (`import hasten.utils.rich`)")

@@ -1,20 +1,12 @@
-"""Accelerate's ``accelerate.utils.versions``: compare installed versions with a requirement.
+"""Accelerate's ``accelerate.utils.versions`` path: the very module :mod:`hasten.base.versions` (an alias, so
+identity, ``isinstance`` and monkeypatching behave as in Accelerate)."""
 
-Example:
-    >>> from hasten.utils.versions import is_torch_version
-    >>> is_torch_version(">=", "2.0")
-    True
-"""
+import sys
+from typing import TYPE_CHECKING
 
-from __future__ import annotations
+from hasten.base import versions as _ground
 
-import importlib.metadata
+if TYPE_CHECKING:
+    from hasten.base.versions import *  # noqa: F403
 
-from packaging.version import parse
-
-from hasten.utils.imports import compare_versions, is_torch_version
-
-#: The installed torch's version (a ``packaging`` ``Version``), as Accelerate exposes it.
-torch_version = parse(importlib.metadata.version("torch"))
-
-__all__ = ["compare_versions", "is_torch_version", "torch_version"]
+sys.modules[__name__] = _ground

@@ -15,6 +15,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hasten.base.constants import (
+    SAGEMAKER_PYTHON_VERSION,
+    SAGEMAKER_PYTORCH_VERSION,
+    SAGEMAKER_TRANSFORMERS_VERSION,
+    SageMakerDistributedType,
+)
+from hasten.base.dataclasses import ComputeEnvironment, DistributedType
 from hasten.config.io import (
     accelerate_config_file,
     default_config_file as _hasten_default,
@@ -23,13 +30,6 @@ from hasten.config.io import (
 )
 from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError
-from hasten.utils.constants import (
-    SAGEMAKER_PYTHON_VERSION,
-    SAGEMAKER_PYTORCH_VERSION,
-    SAGEMAKER_TRANSFORMERS_VERSION,
-    SageMakerDistributedType,
-)
-from hasten.utils.dataclasses import ComputeEnvironment, DistributedType
 
 #: Accelerate's cache folders (where Accelerate keeps its default file; ``hasten launch`` reads it too).
 hf_cache_home = os.path.expanduser(
@@ -229,7 +229,7 @@ class SageMakerConfig(BaseConfig):
         return {**defaults, **data}
 
     def _write(self, path: str, suffix: str) -> None:
-        from hasten.utils.refusals import SAGEMAKER, refusal
+        from hasten.base.refusals import SAGEMAKER, refusal
 
         raise refusal(f"{type(self).__name__}.to_{suffix[1:]}_file", SAGEMAKER)
 

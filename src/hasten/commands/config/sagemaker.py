@@ -11,6 +11,6 @@ def get_sagemaker_input() -> NoReturn:
     Raises:
         ConfigurationError: always, naming what to use instead.
     """
-    from hasten.utils.refusals import SAGEMAKER, refusal
+    from hasten.base.refusals import SAGEMAKER, refusal
 
     raise refusal("get_sagemaker_input", SAGEMAKER)

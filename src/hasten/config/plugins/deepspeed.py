@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hasten.base.deepspeed import HfDeepSpeedConfig
+from hasten.base.deepspeed_runtime import set_z3_leaf_modules_by_name, zero3_init_context
+from hasten.base.environment import as_bool
 from hasten.config.schema import DEEPSPEED_KEYS, LaunchConfig
 from hasten.exceptions import ConfigurationError
-from hasten.utils.deepspeed import HfDeepSpeedConfig
-from hasten.utils.deepspeed_runtime import set_z3_leaf_modules_by_name, zero3_init_context
-from hasten.utils.environment import as_bool
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -383,7 +383,7 @@ def map_pytorch_optim_to_deepspeed(optimizer: Any) -> Any:
     the optimizer's ``lr`` and ``weight_decay``. Needs deepspeed."""
     import torch
 
-    from hasten.utils.deepspeed_runtime import import_deepspeed
+    from hasten.base.deepspeed_runtime import import_deepspeed
 
     import_deepspeed()
     defaults = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "weight_decay")}

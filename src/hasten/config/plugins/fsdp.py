@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hasten.base.environment import as_bool
+
 # DEFAULT_MIN_NUM_PARAMS and ignored_module_list are re-exported from here, their earlier home.
 from hasten.config.plugins.fsdp_units import (
     DEFAULT_MIN_NUM_PARAMS,
@@ -22,7 +24,6 @@ from hasten.config.plugins.fsdp_units import (
 )
 from hasten.config.schema import FSDP_KEYS, LaunchConfig
 from hasten.exceptions import ConfigurationError
-from hasten.utils.environment import as_bool
 
 #: Auto-wrap policy names (Accelerate's ``FSDP_AUTO_WRAP_POLICY``).
 AUTO_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from hasten.base.dataclasses import DistributedType
 from hasten.state import PartialState
 from hasten.test_utils.testing import assert_exception
-from hasten.utils.dataclasses import DistributedType
 from hasten.utils.operations import (
     DistributedOperationException,
     broadcast,

@@ -4,6 +4,11 @@ Off by default and then free (one boolean test). When on, every collective first
 ``monitored_barrier`` on a gloo group (it names the ranks that never arrive, instead of hanging), then
 all ranks exchange the operation's name and tensor shapes; any difference raises
 :class:`DistributedOperationError` on every rank with each rank's view.
+
+The switch and the gloo group are process-wide state tied to the process group's lifetime, so they
+live here beside :mod:`hasten.environments.process_group`, which turns them on and off
+(``set_debug_checks``, ``end_group``); the collectives of :mod:`hasten.ops` only call
+:func:`verify_operation`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,20 @@
+"""Accelerate's ``accelerate.utils.versions``: compare installed versions with a requirement.
+
+Example:
+    >>> from hasten.base.versions import is_torch_version
+    >>> is_torch_version(">=", "2.0")
+    True
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from packaging.version import parse
+
+from hasten.base.imports import compare_versions, is_torch_version
+
+#: The installed torch's version (a ``packaging`` ``Version``), as Accelerate exposes it.
+torch_version = parse(importlib.metadata.version("torch"))
+
+__all__ = ["compare_versions", "is_torch_version", "torch_version"]
