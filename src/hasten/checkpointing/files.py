@@ -36,21 +36,21 @@ def suffix(index: int) -> str:
     return "" if index == 0 else f"_{index}"
 
 
-def write_file(path: Path, writer: Callable[[Path], Any], serialize: Callable[[], background.Payload] | None = None) -> None:
+def write_file(path: Path, writer: Callable[[Path], Any], serialize: Callable[[], background.Payload] | None = None,
+               *, sealer: sealing.Sealer | None = None) -> None:
     """Run ``writer(file)`` so that ``path`` is complete and durable before a checkpoint publishes it.
 
-    Inside a save's staging folder the file is written under its final name and sealed (CRC-32 and
-    fsync in the background, :mod:`hasten.checkpointing.sealing`): the folder is published as a whole
-    only after that. Inside an asynchronous save's staging folder, ``serialize()`` (the same bytes
-    ``writer`` would write) runs now and the bytes are written later, in the background
-    (:mod:`hasten.checkpointing.background`). Anywhere else it goes through a temporary name, an fsync
-    and a rename.
+    With the save's ``sealer`` (a file of its staging folder) the file is written under its final
+    name and sealed (CRC-32 and fsync in the background, :mod:`hasten.checkpointing.sealing`): the
+    folder is published as a whole only after that. Inside an asynchronous save's staging folder,
+    ``serialize()`` (the same bytes ``writer`` would write) runs now and the bytes are written later,
+    in the background (:mod:`hasten.checkpointing.background`). Anywhere else it goes through a
+    temporary name, an fsync and a rename.
     """
     snapshot = background.snapshot_for(path)
     if snapshot is not None and serialize is not None:
         snapshot.add(path, serialize())
         return
-    sealer = sealing.sealer_for(path)
     if sealer is None:
         with atomic_path(path) as tmp:
             writer(tmp)
@@ -59,9 +59,9 @@ def write_file(path: Path, writer: Callable[[Path], Any], serialize: Callable[[]
     sealer.seal(path)
 
 
-def torch_save(obj: Any, path: Path) -> None:
+def torch_save(obj: Any, path: Path, *, sealer: sealing.Sealer | None = None) -> None:
     """``torch.save``, crash-safely (:func:`write_file`)."""
-    write_file(path, lambda file: torch.save(obj, file), lambda: _torch_bytes(obj, path.name))
+    write_file(path, lambda file: torch.save(obj, file), lambda: _torch_bytes(obj, path.name), sealer=sealer)
 
 
 def _torch_bytes(obj: Any, name: str) -> background.Payload:
@@ -125,7 +125,8 @@ def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def save_model_weights(state_dict: Mapping[str, torch.Tensor], folder: Path, index: int, safe: bool) -> Path:
+def save_model_weights(state_dict: Mapping[str, torch.Tensor], folder: Path, index: int, safe: bool, *,
+                       sealer: sealing.Sealer | None = None) -> Path:
     """Write one model's weights as ``model{_i}.safetensors`` (or ``pytorch_model{_i}.bin``)."""
     if safe:
         from safetensors.torch import save_file
@@ -133,10 +134,10 @@ def save_model_weights(state_dict: Mapping[str, torch.Tensor], folder: Path, ind
         path = folder / SAFE_MODEL.format(suffix=suffix(index))
         tensors = {k: v.cpu() for k, v in dedupe_shared_tensors(state_dict).items()}
         write_file(path, lambda file: save_file(tensors, str(file), metadata={"format": "pt"}),
-                   lambda: _safetensors_bytes(tensors))
+                   lambda: _safetensors_bytes(tensors), sealer=sealer)
         return path
     path = folder / BIN_MODEL.format(suffix=suffix(index))
-    torch_save({k: v.cpu() for k, v in state_dict.items()}, path)
+    torch_save({k: v.cpu() for k, v in state_dict.items()}, path, sealer=sealer)
     return path
 
 
@@ -212,14 +213,15 @@ def save_gradients(model: nn.Module, path: Path) -> bool:
     return save_gradient_tensors(grads, path)
 
 
-def save_gradient_tensors(grads: Mapping[str, torch.Tensor], path: Path) -> bool:
+def save_gradient_tensors(grads: Mapping[str, torch.Tensor], path: Path, *,
+                          sealer: sealing.Sealer | None = None) -> bool:
     """Write ``name -> gradient`` tensors (CPU, contiguous) atomically; False when there are none."""
     if not grads:
         return False
     from safetensors.torch import save_file
 
     write_file(path, lambda file: save_file(dict(grads), str(file), metadata={"format": "pt"}),
-               lambda: _safetensors_bytes(dict(grads)))
+               lambda: _safetensors_bytes(dict(grads)), sealer=sealer)
     return True
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from hasten.base.dataclasses import DistributedType
 from hasten.checkpointing import files as ckpt, restore_checks as checks
+from hasten.checkpointing.sealing import Sealer
 from hasten.environments import process_group
 from hasten.precision import Precision
 
@@ -273,20 +274,24 @@ class Strategy:
         return [self.model_state_dict(model) for model in models]
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
-             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True) -> None:
+             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
+             sealer: Sealer | None = None) -> None:
         """Write model and optimizer state into ``folder`` (every process calls it).
 
         Base: the process that writes the shared files (``writer``) saves ``model{_i}.safetensors``
         (or ``pytorch_model{_i}.bin``) from ``weights`` and ``optimizer{_i}.bin``. A state a pre-hook
-        emptied is not written (the hook saved it).
+        emptied is not written (the hook saved it). Files written through
+        :mod:`hasten.checkpointing.files` get ``sealer`` (the save's: each is checksummed and fsync'ed
+        as it is written); files an engine writes itself are checksummed when the save is published.
         """
         if not writer:
             return
         for i, state in enumerate(weights):
             if state:
-                ckpt.save_model_weights(state, folder, i, safe_serialization)
+                ckpt.save_model_weights(state, folder, i, safe_serialization, sealer=sealer)
         for i, optimizer in enumerate(optimizers):
-            ckpt.torch_save(optimizer.state_dict(), folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
+            ckpt.torch_save(optimizer.state_dict(), folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)),
+                            sealer=sealer)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:

@@ -29,6 +29,7 @@ from hasten.base.deepspeed import DummyOptim, DummyScheduler
 from hasten.base.deepspeed_runtime import import_deepspeed, set_z3_leaf_modules_by_name, zero3_init_context
 from hasten.checkpointing import CheckpointError
 from hasten.checkpointing.safe_load import check_deepspeed_files
+from hasten.checkpointing.sealing import Sealer
 from hasten.config.plugins.deepspeed import DeepSpeedPlugin
 from hasten.environments import process_group
 from hasten.exceptions import ConfigurationError
@@ -294,8 +295,12 @@ class DeepSpeedStrategy(Strategy):
         return []
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
-             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True) -> None:
-        """``engine.save_checkpoint(folder, "pytorch_model")`` on every process (frozen models are not saved)."""
+             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
+             sealer: Sealer | None = None) -> None:
+        """``engine.save_checkpoint(folder, "pytorch_model")`` on every process (frozen models are not saved).
+
+        The engine writes its files itself (``sealer`` is unused): they are checksummed when the save is published.
+        """
         for tag, engine in self._engines(models):
             engine.save_checkpoint(str(folder), tag=tag)
 

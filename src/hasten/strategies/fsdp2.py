@@ -26,6 +26,7 @@ from hasten._private_api import (
     set_pending_gradient,
 )
 from hasten.checkpointing import dcp as sharded, files as ckpt
+from hasten.checkpointing.sealing import Sealer
 from hasten.config.parallelism import ParallelismConfig
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
 from hasten.config.plugins.fsdp_units import (
@@ -291,7 +292,8 @@ class FSDP2Strategy(Strategy):
         return []
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
-             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True) -> None:
+             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
+             sealer: Sealer | None = None) -> None:
         """SHARDED_STATE_DICT: DCP folders written by every rank; FULL_STATE_DICT: gathered files from rank 0."""
         inner_models = [unwrap_common(m) for m in models]
         for i, model in enumerate(inner_models):
@@ -300,7 +302,7 @@ class FSDP2Strategy(Strategy):
             else:
                 state = sharded.full_model_state(model) if is_fsdp2_module(model) else model.state_dict()
                 if dist.get_rank() == 0:
-                    ckpt.save_model_weights(state, folder, i, safe=True)
+                    ckpt.save_model_weights(state, folder, i, safe=True, sealer=sealer)
         for i, optimizer in enumerate(optimizers):
             owner = _owner(optimizer, inner_models)
             if self._sharded_format:
@@ -308,7 +310,7 @@ class FSDP2Strategy(Strategy):
             else:
                 state = sharded.full_optimizer_state(owner, optimizer)
                 if dist.get_rank() == 0:
-                    ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)))
+                    ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), sealer=sealer)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:
