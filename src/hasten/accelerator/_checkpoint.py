@@ -154,7 +154,7 @@ class CheckpointMixin(AcceleratorBase):
         if self._background_saver is None:  # collective: every process creates the side group together
             self._background_saver = background.BackgroundSaver(
                 background.Coordinator.create(self.num_processes, self.process_index))
-        with background.capture(staging) as snapshot:
+        with background.capture(staging, self._background_saver.buffers) as snapshot:
             self._write_state(staging, gradients, safe_serialization)
         config = self.project_configuration
         self._background_saver.submit(snapshot, background.Publication(
