@@ -102,6 +102,43 @@ def test_saves_wait_for_each_other_and_end_training_waits(tmp_path):
     assert torch.equal(fresh.unwrap_model(model2)[0].weight, accelerator.unwrap_model(model)[0].weight)
 
 
+def test_the_staging_buffers_are_reused_between_saves_and_freed_by_end_training(tmp_path):
+    accelerator, model, optimizer, scheduler, loader = _setup()
+    batches = iter(list(loader)[:2])  # a whole pass: no open loader iterator left when training ends
+    _step(accelerator, model, optimizer, scheduler, next(batches))
+    accelerator.save_state(tmp_path / "a", async_save=True)
+    buffers = accelerator._background_saver.buffers
+    pointers = sorted(storage.data_ptr() for _, storage in buffers._used)
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights + AdamW's 2 moments
+    # + the step counters and the generators' states (the process's and the loader's: 5 KB each)
+    assert state_bytes <= buffers.nbytes <= state_bytes + 4 * 5056
+    _step(accelerator, model, optimizer, scheduler, next(batches))
+    accelerator.save_state(tmp_path / "b", async_save=True)  # waits for "a", then copies into the same buffers
+    assert sorted(storage.data_ptr() for _, storage in buffers._used) == pointers
+    accelerator.wait_for_checkpoint()
+    saved = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert torch.equal(saved["0.weight"], accelerator.unwrap_model(model)[0].weight)
+    accelerator.end_training()
+    assert buffers.nbytes == 0
+
+
+def test_a_state_that_cannot_be_serialised_fails_in_the_background_naming_its_file(tmp_path):
+    accelerator, model, optimizer, scheduler, loader = _setup()
+
+    class Unpicklable:
+        def state_dict(self) -> dict:
+            return {"callback": lambda: None}  # deep-copies (functions are shared) but does not pickle
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    accelerator.register_for_checkpointing(Unpicklable())
+    accelerator.save_state(tmp_path / "ck", async_save=True)  # serialising is no longer on this thread
+    with pytest.raises(CheckpointError, match=r"nothing was published.*custom_checkpoint_1\.pkl"):
+        accelerator.wait_for_checkpoint()
+    assert not (tmp_path / "ck").exists()
+
+
 def _failing_background(root: str) -> tuple[str, str, bool]:
     accelerator, model, optimizer, scheduler, loader = _setup()
     previous = accelerator.save_state(Path(root) / "ck")

@@ -443,6 +443,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
     def end_training(self) -> None:
         """Finish the trackers and tear down the process group (call it on every process at the end)."""
         self.wait_for_checkpoint()  # an asynchronous save in flight is published (or its failure raised) first
+        if self._background_saver is not None:
+            self._background_saver.release()  # the asynchronous saves' staging buffers (host memory)
         self._finish_trackers()
         self._strategy.teardown()
         self.state.destroy_process_group()

@@ -1,13 +1,16 @@
-"""Asynchronous ``save_state``: a snapshot in host memory now, writing and publication in the background.
+"""Asynchronous ``save_state``: a snapshot in host memory now, serialising, writing and publication in the background.
 
 ``save_state(..., async_save=True)`` runs the same code as a synchronous save, but while it runs the
-staging folder is *captured*: every file hasten serialises (:func:`hasten.checkpointing.files.write_file`)
-is serialised on the calling thread into bytes in host memory, with the same serialiser, so the
-snapshot is consistent with the training state at the call and the files are byte for byte those of a
-synchronous save. Training then goes on while a background thread (one per process):
+staging folder is *captured*: every file hasten writes (:func:`hasten.checkpointing.files.write_file`)
+is not written; its state is **staged** instead, on the calling thread: its tensors copied into host
+staging buffers that are allocated once and reused from save to save
+(:mod:`hasten.checkpointing.staging`), the small rest deep-copied. So the snapshot is consistent with
+the training state at the call, and the loop waits only for memory copies. Training then goes on while
+a background thread (one per process):
 
-1. writes those bytes into the staging folder, CRC-32s and fsyncs each file
-   (:class:`hasten.checkpointing.sealing.Sealer`);
+1. serialises each staged state with the same writer a synchronous save uses (safetensors,
+   ``torch.save``) straight into its file, so the files are byte for byte those of a synchronous save,
+   then CRC-32s and fsyncs it (:class:`hasten.checkpointing.sealing.Sealer`);
 2. tells the other processes it is done (or that it failed) on a process group of its own (gloo),
    so that it never interleaves with the training loop's collectives;
 3. once **every** process's files are durable, publishes the folder exactly as a synchronous save
@@ -18,16 +21,16 @@ loadable, never a half one. At most one save is in flight: the next ``save_state
 ``wait_for_checkpoint`` and ``end_training`` wait for it, and raise its failure (the same message on
 every process, naming the process and the file). Files an engine writes itself (DCP's for FSDP2
 sharded state dicts, DeepSpeed's) are written on the calling thread as in a synchronous save; only
-their publication is in the background.
+their publication is in the background. So is a state that cannot be deep-copied (a rare object):
+it is written on the calling thread, then sealed in the background.
 
-Memory: the snapshot holds the serialised bytes of this process's files (about the size of what it
-writes; ``torch.save``'d files stay in an anonymous in-memory file, mapped rather than copied) until
-each is written; it is freed before the next save can start.
+Memory: one set of staging buffers per :class:`BackgroundSaver` (per Accelerator), the size of the
+tensors this process writes (weights, optimizer state, accumulated gradients), kept between saves and
+freed by ``end_training`` (:meth:`BackgroundSaver.release`).
 """
 
 from __future__ import annotations
 
-import mmap
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,48 +39,48 @@ from pathlib import Path
 from typing import Any
 
 from hasten.checkpointing import sealing
+from hasten.checkpointing.staging import StagingBuffers
 from hasten.exceptions import CheckpointError
 
-Payload = bytes | mmap.mmap  # a file's serialised bytes; a read-only map of an in-memory file (no copy)
+Writer = Callable[[Any, Path], Any]  # write(state, file): what a synchronous save runs for that file
+_WRITTEN = object()  # a file already written on the calling thread: only sealed in the background
 _CAPTURING: dict[Path, Snapshot] = {}
 _LOCK = threading.Lock()
 
 
 class Snapshot:
-    """The serialised files of one process's part of an asynchronous save, waiting to be written."""
+    """One process's part of an asynchronous save: staged states waiting to be serialised and written."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, buffers: StagingBuffers | None = None) -> None:
         self.folder = folder
-        self.files: list[tuple[Path, Payload]] = []
+        self.buffers = buffers if buffers is not None else StagingBuffers()
+        self.files: list[tuple[Path, Writer, Any]] = []
 
-    def add(self, path: Path, data: Payload) -> None:
-        """Keep ``data`` to be written to ``path`` (inside the staging folder) later."""
-        self.files.append((path, data))
-
-    @property
-    def nbytes(self) -> int:
-        """Host memory the snapshot holds."""
-        return sum(len(data) for _, data in self.files)
+    def add(self, path: Path, write: Writer, state: Any) -> None:
+        """Stage ``state`` now (tensors copied into the buffers); ``write(staged, path)`` runs later."""
+        try:
+            staged = self.buffers.stage(state)
+        except Exception:  # noqa: BLE001 - cannot be copied (e.g. a tensor with autograd history): write it now
+            write(state, path)
+            staged, write = _WRITTEN, _noop
+        self.files.append((path, write, staged))
 
     def write_out(self, after_file: Callable[[Path], None] | None = None) -> dict[str, tuple[int, str]]:
-        """Write, checksum and fsync every file; ``{relative path: (size, crc32 hex)}`` of what it wrote.
+        """Serialise, write, checksum and fsync every file; ``{relative path: (size, crc32 hex)}``.
 
         Raises:
-            CheckpointError: a write or an fsync failed (names the file).
+            CheckpointError: serialising, a write or an fsync failed (names the file).
         """
         sealer = sealing.Sealer(self.folder)
         try:
             while self.files:
-                path, data = self.files.pop(0)  # freed as soon as it is written
-                try:
-                    with open(path, "wb") as out:
-                        out.write(data)
-                except OSError as exc:
-                    raise CheckpointError(f"writing {path} failed: {exc}") from exc
-                finally:
-                    if isinstance(data, mmap.mmap):
-                        data.close()
-                del data
+                path, write, staged = self.files.pop(0)  # the copy is dropped as soon as it is written
+                if staged is not _WRITTEN:
+                    try:
+                        write(staged, path)
+                    except Exception as exc:
+                        raise CheckpointError(f"writing {path} failed: {type(exc).__name__}: {exc}") from exc
+                del staged
                 sealer.seal(path)
                 if after_file is not None:
                     after_file(path)
@@ -86,11 +89,12 @@ class Snapshot:
             except OSError as exc:
                 raise CheckpointError(f"syncing a file of {self.folder} failed: {exc}") from exc
         finally:
-            for _, data in self.files:  # not written (a failure): unmap now rather than at collection
-                if isinstance(data, mmap.mmap):
-                    data.close()
             self.files.clear()
             sealer._pool.shutdown(wait=True)
+
+
+def _noop(state: Any, path: Path) -> None:
+    return None
 
 
 def snapshot_for(path: Path) -> Snapshot | None:
@@ -105,9 +109,14 @@ def snapshot_for(path: Path) -> Snapshot | None:
 
 
 @contextmanager
-def capture(folder: Path) -> Iterator[Snapshot]:
-    """Capture the files written into ``folder`` through ``write_file`` while the block runs."""
-    snapshot = Snapshot(folder)
+def capture(folder: Path, buffers: StagingBuffers | None = None) -> Iterator[Snapshot]:
+    """Capture the files written into ``folder`` through ``write_file`` while the block runs.
+
+    Their states are staged in ``buffers`` (reused between saves; fresh ones when None). When the
+    block ends, copies from devices have completed and unused buffers are freed.
+    """
+    snapshot = Snapshot(folder, buffers)
+    snapshot.buffers.begin()
     with _LOCK:
         _CAPTURING[folder] = snapshot
     try:
@@ -115,6 +124,7 @@ def capture(folder: Path) -> Iterator[Snapshot]:
     finally:
         with _LOCK:
             _CAPTURING.pop(folder, None)
+        snapshot.buffers.end()
 
 
 # ------------------------------------------------------------------------------ coordination
@@ -200,10 +210,14 @@ def _published(pub: Publication) -> None:
 
 
 class BackgroundSaver:
-    """At most one asynchronous save in flight; its failure is kept for the next :meth:`wait`."""
+    """At most one asynchronous save in flight; its failure is kept for the next :meth:`wait`.
+
+    It owns the process's staging buffers (:attr:`buffers`, for :func:`capture`), reused by every save.
+    """
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
+        self.buffers = StagingBuffers()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -232,14 +246,22 @@ class BackgroundSaver:
         Raises:
             CheckpointError: the background save failed (the same message on every process).
         """
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None  # only once joined: the buffers are not released under a running save
         error, self._error = self._error, None
         if error is not None:
             if isinstance(error, CheckpointError):
                 raise CheckpointError(str(error)) from error
             raise CheckpointError(f"The background save failed: {type(error).__name__}: {error}") from error
 
+    def release(self) -> None:
+        """Wait for the save in flight (raising its failure), then free the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._thread is None:
+                self.buffers.release()
 
-__all__ = ["BackgroundSaver", "Coordinator", "Payload", "Publication", "Snapshot", "capture", "finish", "snapshot_for"]
+
+__all__ = ["BackgroundSaver", "Coordinator", "Publication", "Snapshot", "Writer", "capture", "finish", "snapshot_for"]

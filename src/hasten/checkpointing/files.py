@@ -6,10 +6,8 @@ Writes go through a temporary name and a rename; reads use safetensors or
 
 from __future__ import annotations
 
-import mmap
 import os
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,57 +34,37 @@ def suffix(index: int) -> str:
     return "" if index == 0 else f"_{index}"
 
 
-def write_file(path: Path, writer: Callable[[Path], Any], serialize: Callable[[], background.Payload] | None = None,
-               *, sealer: sealing.Sealer | None = None) -> None:
-    """Run ``writer(file)`` so that ``path`` is complete and durable before a checkpoint publishes it.
+def write_file(path: Path, write: background.Writer, state: Any, *, sealer: sealing.Sealer | None = None) -> None:
+    """Run ``write(state, file)`` so that ``path`` is complete and durable before a checkpoint publishes it.
 
-    With the save's ``sealer`` (a file of its staging folder) the file is written under its final
-    name and sealed (CRC-32 and fsync in the background, :mod:`hasten.checkpointing.sealing`): the
-    folder is published as a whole only after that. Inside an asynchronous save's staging folder,
-    ``serialize()`` (the same bytes ``writer`` would write) runs now and the bytes are written later,
-    in the background (:mod:`hasten.checkpointing.background`). Anywhere else it goes through a
-    temporary name, an fsync and a rename.
+    With the save's ``sealer`` (a file of its staging folder) the file is written under its final name
+    and sealed (CRC-32 and fsync in the background, :mod:`hasten.checkpointing.sealing`): the folder
+    is published as a whole only after that. Inside an asynchronous save's staging folder, ``state`` is only staged now (its
+    tensors copied into reused host buffers) and ``write`` runs later on the copy, in the background
+    (:mod:`hasten.checkpointing.background`), so the file holds the same bytes. Anywhere else it goes
+    through a temporary name, an fsync and a rename.
     """
     snapshot = background.snapshot_for(path)
-    if snapshot is not None and serialize is not None:
-        snapshot.add(path, serialize())
+    if snapshot is not None:
+        snapshot.add(path, write, state)
         return
     if sealer is None:
         with atomic_path(path) as tmp:
-            writer(tmp)
+            write(state, tmp)
         return
-    writer(path)
+    write(state, path)
     sealer.seal(path)
+
+
+def _torch_write(obj: Any, file: Path) -> None:
+    # torch.save names the archive inside the file after the file: writing the final name (an
+    # asynchronous save's background thread too) gives the same bytes as a synchronous save.
+    torch.save(obj, file)
 
 
 def torch_save(obj: Any, path: Path, *, sealer: sealing.Sealer | None = None) -> None:
     """``torch.save``, crash-safely (:func:`write_file`)."""
-    write_file(path, lambda file: torch.save(obj, file), lambda: _torch_bytes(obj, path.name), sealer=sealer)
-
-
-def _torch_bytes(obj: Any, name: str) -> background.Payload:
-    """What ``torch.save(obj, <folder>/name)`` writes, byte for byte, serialised into memory.
-
-    ``torch.save`` names the archive inside the file after the file (a buffer gets ``archive``), so it
-    writes through a link called ``name`` to an anonymous in-memory file (Linux ``memfd``), which is
-    then mapped read-only, not copied: reading it back into ``bytes`` cost two more copies of the
-    state (three above 1 GB), which made the loop wait 2-4x longer for an optimizer's state
-    (docs/benchmarks.md). Elsewhere it goes through a temporary file of that name.
-    """
-    with tempfile.TemporaryDirectory(prefix="hasten-snapshot-") as tmp:
-        link = Path(tmp) / name
-        if not hasattr(os, "memfd_create"):
-            torch.save(obj, link)
-            return link.read_bytes()
-        fd = os.memfd_create(name, getattr(os, "MFD_CLOEXEC", 0))
-        try:
-            os.symlink(f"/proc/self/fd/{fd}", link)
-            torch.save(obj, link)
-            size = os.fstat(fd).st_size
-            # the mapping keeps the memory file alive after the descriptor is closed; unmapped once written
-            return mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
-        finally:
-            os.close(fd)
+    write_file(path, _torch_write, obj, sealer=sealer)
 
 
 def torch_load(path: Path, map_location: Any = "cpu") -> Any:
@@ -129,12 +107,9 @@ def save_model_weights(state_dict: Mapping[str, torch.Tensor], folder: Path, ind
                        sealer: sealing.Sealer | None = None) -> Path:
     """Write one model's weights as ``model{_i}.safetensors`` (or ``pytorch_model{_i}.bin``)."""
     if safe:
-        from safetensors.torch import save_file
-
         path = folder / SAFE_MODEL.format(suffix=suffix(index))
-        tensors = {k: v.cpu() for k, v in dedupe_shared_tensors(state_dict).items()}
-        write_file(path, lambda file: save_file(tensors, str(file), metadata={"format": "pt"}),
-                   lambda: _safetensors_bytes(tensors), sealer=sealer)
+        # still on their device: an asynchronous save stages them (pinned copies from a GPU)
+        write_file(path, _safetensors_write, dedupe_shared_tensors(state_dict), sealer=sealer)
         return path
     path = folder / BIN_MODEL.format(suffix=suffix(index))
     torch_save({k: v.cpu() for k, v in state_dict.items()}, path, sealer=sealer)
@@ -218,17 +193,14 @@ def save_gradient_tensors(grads: Mapping[str, torch.Tensor], path: Path, *,
     """Write ``name -> gradient`` tensors (CPU, contiguous) atomically; False when there are none."""
     if not grads:
         return False
-    from safetensors.torch import save_file
-
-    write_file(path, lambda file: save_file(dict(grads), str(file), metadata={"format": "pt"}),
-               lambda: _safetensors_bytes(dict(grads)), sealer=sealer)
+    write_file(path, _safetensors_write, dict(grads), sealer=sealer)
     return True
 
 
-def _safetensors_bytes(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
+def _safetensors_write(tensors: Mapping[str, torch.Tensor], file: Path) -> None:
+    from safetensors.torch import save_file
 
-    return save(dict(tensors), metadata={"format": "pt"})
+    save_file({k: v.cpu() for k, v in tensors.items()}, str(file), metadata={"format": "pt"})
 
 
 def read_gradients(path: Path) -> dict[str, torch.Tensor]:

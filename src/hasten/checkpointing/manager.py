@@ -335,7 +335,7 @@ class CheckpointManager:
         if self.background is None:  # collective: every process creates the side group together
             self.background = background.BackgroundSaver(
                 background.Coordinator.create(self.ranks.num_processes, self.ranks.process_index))
-        with background.capture(staging) as snapshot:
+        with background.capture(staging, self.background.buffers) as snapshot:
             self._write(objects, staging, gradients, writer, safe_serialization, sealer=None)
         self.background.submit(snapshot, background.Publication(
             target, staging, self.ranks.num_processes, self.ranks.is_main, self.ranks.is_local_main,
