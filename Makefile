@@ -77,7 +77,9 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/hasten launch --num_processes 2 examples/mnist_digits.py
 
 # mypy (configured in pyproject.toml) checks src/ first: a type error fails the run before the tests start.
-test: system-deps $(STAMP) $(TRACKER_STAMP) $(HF_STAMP)
+# The two layered venvs only read .venv, so they are built side by side (about a minute less on a fresh clone).
+test: system-deps $(STAMP)
+	$(MAKE) --no-print-directory -j2 $(TRACKER_STAMP) $(HF_STAMP)
 	$(PY) -m mypy
 	mkdir -p .tmp
 	HASTEN_TRACKER_PYTHON=$(CURDIR)/$(TRACKER_PY) HASTEN_HF_PYTHON=$(CURDIR)/$(HF_PY) \
