@@ -199,9 +199,7 @@ class AcceleratedScheduler:
         if self.split_batches or self._step_once:
             scheduler.step(*args, **kwargs)
             return
-        if self._num_processes is None:
-            self._num_processes = int(AcceleratorState().num_processes)
-        for _ in range(self._num_processes):
+        for _ in range(self._steps_per_optimizer_step()):
             total = getattr(scheduler, "total_steps", None)
             if total is None or scheduler._step_count <= total:  # OneCycleLR raises past its end
                 scheduler.step(*args, **kwargs)

@@ -71,6 +71,7 @@ class _Preemption:
         self.end_group: Callable[[], None] | None = None
         self.exit_code = PREEMPTED_EXIT_CODE
         self.marker_dir: str | None = None
+        self.rank = 0  # this process's rank in the run (set by arm)
 
     # -------------------------------------------------------------------------- main thread, step path
     def after_step(self) -> None:
@@ -84,7 +85,7 @@ class _Preemption:
             self.requested = True
             self.save_due = True
             if self.marker_dir and self.acknowledged:  # a loop that saves by itself: hasten launch reports the stop
-                _write_marker(self.marker_dir, _rank(), "(saved by the script)")
+                _write_marker(self.marker_dir, self.rank, "(saved by the script)")
 
     def at_boundary(self) -> None:
         """Called by a prepared data loader before its next batch while ``save_due``: checkpoint and exit.
@@ -96,7 +97,7 @@ class _Preemption:
         action = self.stop_action
         target = action() if action is not None else None
         if target is not None:
-            finish(target, rank=_rank())
+            finish(target, rank=self.rank)
         if not self.acknowledged:
             logger.warning("hasten: %s received but the script has no automatic checkpoint naming and never reads "
                            "accelerator.preemption_requested: ending the process as the signal would",
@@ -107,12 +108,6 @@ class _Preemption:
 
 
 PREEMPTION = _Preemption()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def finish(target: Any, *, rank: int) -> None:
@@ -230,6 +225,7 @@ def arm(*, store: Any, rank: int, world: int, signal_name: str | None, env: Mapp
     state.stop_action = stop_action
     state.end_group = end_group
     state.marker_dir = marker_dir
+    state.rank = rank
     state.exit_code = 0 if marker_dir else PREEMPTED_EXIT_CODE  # hasten launch's agent must not restart them
     if _RUNNING["watcher"] is not None:
         return False
