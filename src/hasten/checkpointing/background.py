@@ -62,7 +62,7 @@ class Snapshot:
             staged = self.buffers.stage(state)
         except Exception:  # noqa: BLE001 - cannot be copied (e.g. a tensor with autograd history): write it now
             write(state, path)
-            staged, write = _WRITTEN, _noop
+            staged = _WRITTEN
         self.files.append((path, write, staged))
 
     def write_out(self, after_file: Callable[[Path], None] | None = None) -> dict[str, tuple[int, str]]:
@@ -91,10 +91,6 @@ class Snapshot:
         finally:
             self.files.clear()
             sealer._pool.shutdown(wait=True)
-
-
-def _noop(state: Any, path: Path) -> None:
-    return None
 
 
 def snapshot_for(path: Path) -> Snapshot | None:
