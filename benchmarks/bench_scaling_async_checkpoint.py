@@ -74,8 +74,10 @@ def _saver(case: str, model: nn.Module, optimizer: torch.optim.Optimizer
     else:
         from accelerate import Accelerator as HFAccelerator
 
-        accelerator = HFAccelerator(cpu=True)
+        accelerator = HFAccelerator(cpu=next(model.parameters()).device.type == "cpu")
     model, optimizer = accelerator.prepare(model, optimizer)
+
+    print(f"{case}: training on {next(model.parameters()).device}", flush=True)
 
     def save(where: str) -> Callable[[], bool] | None:
         if case != "hasten async":
@@ -87,23 +89,19 @@ def _saver(case: str, model: nn.Module, optimizer: torch.optim.Optimizer
     return model, optimizer, save
 
 
-def _run(case: str, layers: int, folder: str) -> dict[str, Any]:
+def _case(case: str, layers: int, folder: str, device: str = "cpu") -> dict[str, Any]:
     torch.set_num_threads(1)
-    model, optimizer, save = _saver(case, _model(layers), None)  # type: ignore[arg-type]
-    return {}
-
-
-def _case(case: str, layers: int, folder: str) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    raw = _model(layers)
+    raw = _model(layers).to(device)
     model, optimizer, save = _saver(case, raw, torch.optim.AdamW(raw.parameters(), lr=1e-3))
-    batch = torch.randn(4, WIDTH)
+    batch = torch.randn(4, WIDTH, device=device)
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step() -> float:
         start = time.perf_counter()
         model(batch).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
+        synchronize()  # a step's time is the GPU's, not the launch of its kernels
         return time.perf_counter() - start
 
     step()
@@ -131,10 +129,14 @@ def _case(case: str, layers: int, folder: str) -> dict[str, Any]:
 def main() -> None:
     parser = _scaling.parser(__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="model sizes, in 4.2 MB layers")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the model trains (cuda: the snapshot copies to pinned host buffers)")
     args = _scaling.finish_args(parser.parse_args())
     layer_counts = args.layers or ([3, 6, 12] if args.quick else [24, 48, 96, 192])
     cases = ["hasten sync", "hasten async", "dcp sync", "dcp async"] + (
         ["accelerate sync"] if _scaling.have_accelerate() else [])
+    # the harness's ranks are CPU ranks unless told otherwise (this process has not touched CUDA)
+    gpu_env = {"ACCELERATE_USE_CPU": "false"} if args.device == "cuda" else {}
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {c: {n: [] for n in layer_counts} for c in cases}
     root = Path(tempfile.mkdtemp(prefix="bench-async-ckpt-"))
     try:
@@ -142,8 +144,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 for case in cases:  # interleaved
                     folder = str(root / f"{case.replace(' ', '_')}-{layers}")
-                    runs[case][layers].append(run_on_ranks(_case, world_size=1, args=(case, layers, folder),
-                                                           timeout=900)[0])
+                    runs[case][layers].append(run_on_ranks(_case, world_size=1, timeout=900, env=gpu_env,
+                                                           args=(case, layers, folder, args.device))[0])
                     shutil.rmtree(folder, ignore_errors=True)
             print(f"{layers} layers done (load average {os.getloadavg()[0]:.1f})", flush=True)
     finally:

@@ -136,3 +136,38 @@ def test_big_model_dispatch_splits_between_gpu_and_cpu(tmp_path: Path):
     assert "cpu" in placed, model.hf_device_map
     x = torch.randn(4, 256)
     torch.testing.assert_close(model(x.cuda()).cpu(), reference(x), atol=1e-5, rtol=1e-5)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_async_save_of_a_cuda_model_stages_in_pinned_memory_and_equals_a_sync_save(tmp_path: Path):
+    reset_state()
+    accelerator = Accelerator()
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    batches = _batches()
+    _train(accelerator, model, optimizer, batches[:2])
+    accelerator.save_state(str(tmp_path / "sync"))
+    accelerator.save_state(str(tmp_path / "async"), async_save=True)
+    buffers = accelerator._background_saver.buffers
+    pinned = [storage for (_, pinned), storage in buffers._used if pinned]
+    # the weights and AdamW's moments come from the GPU: pinned buffers; the generators' states stay plain
+    assert len(pinned) >= 3 * len(list(model.parameters()))
+    assert all(torch.empty(0, dtype=torch.uint8).set_(storage).is_pinned() for storage in pinned)
+    saved_weights = {k: v.detach().cpu().clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    _train(accelerator, model, optimizer, batches[2:])  # in place on the GPU, while the background writes
+    accelerator.wait_for_checkpoint()
+    sync, asynchronous = _files(tmp_path / "sync"), _files(tmp_path / "async")
+    assert sync.keys() == asynchronous.keys() and "optimizer.bin" in sync
+    for name in sync:  # the optimizer's CUDA tensors keep their "cuda:0" location tags in the pinned copies
+        assert sync[name] == asynchronous[name], name
+    accelerator.load_state(str(tmp_path / "async"))
+    state = optimizer.state_dict()["state"]
+    assert all(t.device.type == "cuda" for s in state.values() for t in s.values() if t.dim() > 0)
+    for name, tensor in accelerator.unwrap_model(model).state_dict().items():
+        assert tensor.device.type == "cuda" and torch.equal(tensor.cpu(), saved_weights[name]), name
+    accelerator.end_training()
+    assert buffers.nbytes == 0

@@ -31,12 +31,12 @@ class RankFailed(RuntimeError):
 
 def _rank_main(rank: int, world_size: int, tmp_dir: str, fn: Callable[..., Any], args: tuple[Any, ...],
                pg_timeout: float, env: dict[str, str]) -> None:
+    # Forked ranks are gloo/CPU ranks unless the caller's env says otherwise (ACCELERATE_USE_CPU=false, in a
+    # parent that has not touched CUDA): CUDA cannot be re-initialised in a forked child.
+    os.environ["ACCELERATE_USE_CPU"] = "true"
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      # Forked ranks are gloo/CPU ranks: CUDA cannot be re-initialised in a forked child, and on a
-                      # GPU machine the parent may already hold a CUDA context.
-                      ACCELERATE_USE_CPU="true")
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")  # never used: the FileStore is the rendezvous
     torch.set_num_threads(1)  # several ranks on 2 cores: no oversubscription
     from hasten.state import reset_state
@@ -76,7 +76,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, .
         tmp_dir: folder for the rendezvous file and reports (a fresh temporary one by default).
         timeout: seconds before the whole run is killed.
         pg_timeout: the process group's timeout, which bounds a collective some rank never joins.
-        env: extra environment variables set in every rank before ``fn`` runs.
+        env: extra environment variables set in every rank before ``fn`` runs (``ACCELERATE_USE_CPU`` is
+            ``true`` unless given here).
         start_method: ``fork`` (default) or ``spawn`` (``fn`` must then be importable).
 
     Example:
@@ -94,6 +95,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, .
     tmp = Path(tmp_dir)
     tmp.mkdir(parents=True, exist_ok=True)
     method = start_method or test_start_method()
+    if start_method is None and method == "fork" and torch.cuda.is_initialized():
+        # After CUDA work in this process autograd runs device threads, and a forked child cannot run
+        # backward ("autograd's threading in combination with fork"): start the ranks fresh instead.
+        method = "spawn"
     context = mp.start_processes(_rank_main, args=(world_size, str(tmp), fn, args, pg_timeout, dict(env or {})),
                                  nprocs=world_size, join=False, start_method=method)
     deadline = time.monotonic() + timeout
