@@ -37,9 +37,9 @@ def _env(tmp_path, **extra):
     return env
 
 
-def _argv(count, rank, main_ip, tmp_path, extra=()):
+def _argv(count, rank, main_ip, tmp_path, extra=(), machines=None):
     """A real training launch: the check must stop it before any worker starts (else it trains)."""
-    return [sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_machines", str(count),
+    return [sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_machines", machines or str(count),
             "--machine_rank", str(rank), "--num_processes", str(2 * count), "--main_process_ip", main_ip,
             "--main_process_port", PORT, *extra, TRAIN, str(tmp_path / "out"), "8", "-1"]
 
@@ -198,6 +198,78 @@ def test_a_firewalled_rendezvous_port_stops_every_machine_machine_0_too(tmp_path
     # Nothing reaches machine 0 over TCP: machine 1 told it over UDP, and its line names machine 1.
     assert main.startswith("machine 0 (") and f"hosts the rendezvous endpoint {where}, but machine 1 (" in main, main
     assert f", {machines[1].ip}) " in main and ("drops" if rule == "drop" else "rejects") + f" TCP port {PORT}" in main
+
+
+@needs_netns
+@needs_nft
+def test_under_min_max_machines_that_cannot_join_stop_every_machine_once_too_few_can(tmp_path):
+    """--num_machines 3:4 (c10d): machines 2 and 3 are dropped at the rendezvous port. Machine 0 hears the first
+    over UDP and names it (3 may still join); the second leaves 2 < 3, while machine 1 already waits in torch's
+    rendezvous: every machine stops at once with its line, none at the 60 s join timeout."""
+    with simulated_machines(4) as machines:
+        _nft(machines[0], f"add rule inet hx input ip saddr {{ {machines[2].ip}, {machines[3].ip} }} tcp dport {PORT} "
+                          "drop")
+        argvs = [_argv(4, r, machines[0].ip, tmp_path, ["--rdzv_conf", "join_timeout=60"], machines="3:4")
+                 for r in range(4)]
+        codes, watched = _run(machines, argvs, [_env(tmp_path)] * 4)
+    where = f"{machines[0].ip}:{PORT}"
+    _assert_all_stop_with(codes, watched, where, "a firewall", f"drops TCP port {PORT}", "HINT: allow TCP")
+    for rank in (2, 3):
+        assert watched[rank].failures()[0].startswith(f"machine {rank} ("), watched[rank].output
+    main = watched[0].failures()[0]
+    assert watched[1].failures() == [main], watched[1].output  # machine 1 read machine 0's line from its store
+    assert main.startswith("machine 0 (") and f"hosts the rendezvous endpoint {where}, but machine " in main, main
+    assert "With --num_machines 3:4 at most 2 machine(s) can join now, fewer than 3: every machine stops" in main
+    named = [line for _, line in watched[0].lines if line.startswith("hasten launch: network check: machine 0 (")]
+    assert len(named) == 1 and "The run goes on without it (--num_machines 3:4: at most 3 of 4" in named[0], named
+    # One blocked machine is named while the launch goes on, the other in the line that stops it.
+    assert {f"but machine {r} (" in named[0] for r in (2, 3)} == {True, False}, named
+    assert {f"but machine {r} (" in main for r in (2, 3)} == {True, False}, main
+    assert not any(f"but machine {r} (" in named[0] and f"but machine {r} (" in main for r in (2, 3))
+
+
+def test_under_min_max_machine_0_names_a_blocked_machine_and_stops_only_when_too_few_can_join(monkeypatch, capsys):
+    """The decision of machine 0's watch (in-process): under 2:3 a first blocked machine is named and the launch
+    goes on; a second leaves 1 < 2, so the watch records its line in the store and closes the rendezvous."""
+    from hasten.environments import find_free_port
+    from hasten.launchers import elastic
+    from hasten.launchers.netsignals import Report
+    from hasten.launchers.netwatch import ElasticWatch, recorded_problem
+    from hasten.launchers.network import store_server
+
+    closed = []
+    monkeypatch.setattr(elastic, "close_rendezvous", lambda: closed.append(True))
+    monkeypatch.setattr(elastic, "rounds_met", lambda: 0)
+    port = find_free_port()
+    with store_server("127.0.0.1", port), ElasticWatch("127.0.0.1", "127.0.0.1", port, 2, 3) as watch:
+        assert recorded_problem("127.0.0.1", port) is None
+        first = Report(1, "m1", "10.0.0.2", "failed", "no answer within 3 s")
+        watch.heard(first)
+        watch.heard(first)  # each report comes twice
+        named = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hasten launch: ")]
+        assert len(named) == 1 and "but machine 1 (m1, 10.0.0.2) gets no answer" in named[0], named
+        assert "The run goes on without it (--num_machines 2:3: at most 2 of 3 machines can join" in named[0]
+        assert watch.fatal is None and not closed
+        watch.heard(Report(2, "m2", "10.0.0.3", "failed", "refused"))
+        assert closed == [True] and watch.fatal is not None and "but machine 2 (m2, 10.0.0.3) is refused" in watch.fatal
+        assert "at most 1 machine(s) can join now, fewer than 2: every machine stops" in watch.fatal
+        assert recorded_problem("127.0.0.1", port) == watch.fatal  # what the other machines print
+    monkeypatch.setattr(elastic, "rounds_met", lambda: 1)  # once the run started, a blocked machine is only named
+    with store_server("127.0.0.1", port), ElasticWatch("127.0.0.1", "127.0.0.1", port, 3, 3) as watch:
+        watch.heard(first)
+        assert watch.fatal is None and closed == [True]
+        assert "the machines that joined train on" in capsys.readouterr().err
+
+
+def test_a_rendezvous_timeout_names_the_likely_cause_where_no_report_arrived():
+    from hasten.launchers.netwatch import timeout_problem
+
+    line = timeout_problem("10.0.0.1:29500", 29500, 2, 3, TimeoutError("join"))
+    assert "fewer than 2 of up to 3 machines joined the rendezvous before its timeout" in line
+    assert "its report over UDP port 29500 could not arrive either (UDP blocked too)" in line
+    assert "HINT: allow TCP (and UDP) port 29500" in line
+    heard = timeout_problem("10.0.0.1:29500", 29500, 2, 3, TimeoutError("join"), ["machine 0 (h) hosts ... m2"])
+    assert heard.endswith("machine 0 (h) hosts ... m2") and "UDP blocked" not in heard
 
 
 def test_nccl_interface_selection_follows_nccl_rules():

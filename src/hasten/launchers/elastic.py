@@ -4,7 +4,9 @@ torch's c10d rendezvous (in torchrun's agent) decides which machines take part i
 registers a rendezvous backend in torch's public registry that is torch's own c10d handler, unchanged,
 plus this: after each round, every machine's agent writes its name and address and its number of
 processes to the round's store (torch's), reads the others', and prints who left or joined and the new
-world size. Nothing else of the rendezvous changes.
+world size. Nothing else of the rendezvous changes, except that machine 0's network watch
+(:mod:`hasten.launchers.netwatch`) may close the first round (:func:`close_rendezvous`) when too few
+machines can ever join: every machine's agent then stops instead of waiting for the join timeout.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["BACKEND", "describe_change", "use_membership_backend"]
+__all__ = ["BACKEND", "close_rendezvous", "describe_change", "rounds_met", "use_membership_backend"]
 
 #: The name hasten's c10d handler is registered under (torchrun is given ``c10d`` in ``--dry_run``).
 BACKEND = "hasten-c10d"
 _KEY = "hasten/member/"
 _WAIT = timedelta(seconds=30)  # a member that died right after the round: give up the line, not the run
-_settings: dict[str, Any] = {"name": "?", "processes": 1}
+# This launcher's machine, and its rendezvous: how to close it, whether it was closed, rounds met so far.
+_settings: dict[str, Any] = {"name": "?", "processes": 1, "closer": None, "closed": False, "rounds": 0}
 
 
 def describe_change(previous: dict[str, int] | None, current: dict[str, int]) -> str:
@@ -61,7 +64,12 @@ def _handler_class() -> type:
             return bool(self._inner.use_agent_store)
 
         def next_rendezvous(self) -> RendezvousInfo:
+            if _settings["closed"]:  # closed before the agent got here (close_rendezvous)
+                from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+                raise RendezvousClosedError("closed by hasten's network check")
             info = self._inner.next_rendezvous()
+            _settings["rounds"] += 1
             with contextlib.suppress(Exception):  # a log line must never stop the run
                 self._report(info)
             return info
@@ -98,7 +106,26 @@ def _create(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     backend, store = create_backend(params)
+
+    def close() -> None:  # a handler of its own (another thread may run this one's next_rendezvous), same state
+        create_handler(store, backend, params).set_closed()
+
+    _settings["closer"] = close
     return _handler_class()(create_handler(store, backend, params))
+
+
+def close_rendezvous() -> None:
+    """Close this launch's c10d rendezvous for every machine (from any thread): each agent waiting in it,
+    or arriving later, raises ``RendezvousClosedError`` within about a second (torch's poll interval)."""
+    _settings["closed"] = True  # before the closer is read: an agent not started yet sees one or the other
+    closer = _settings["closer"]
+    if closer is not None:
+        closer()
+
+
+def rounds_met() -> int:
+    """How many rounds of the rendezvous this machine completed (0 while the machines first meet)."""
+    return int(_settings["rounds"])
 
 
 def use_membership_backend(name: str, processes: int) -> str:
@@ -108,6 +135,6 @@ def use_membership_backend(name: str, processes: int) -> str:
     """
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    _settings.update(name=name, processes=processes)
+    _settings.update(name=name, processes=processes, closer=None, closed=False, rounds=0)
     rendezvous_handler_registry.register(BACKEND, _create)
     return BACKEND

@@ -272,7 +272,7 @@ def _probe_message(me: PeerInfo, peer: PeerInfo, reason: str) -> str:
             f"{reason}; {hint}")
 
 
-def _reported_problem(report: Report, master_addr: str, port: int) -> str:
+def reported_problem(report: Report, master_addr: str, port: int) -> str:
     """Machine 0's line for a machine that told it over UDP that it cannot connect to the rendezvous port."""
     peer, where = f"machine {report.rank} ({report.host}, {report.address})", f"{master_addr}:{port}"
     if report.reason.startswith("no answer"):
@@ -318,7 +318,7 @@ class _Meeting:
                 raise NetworkCheckFailed(self.store.get(_PREFIX + "abort").decode())
             report = self.inbox.poll() if self.inbox is not None else None
             if report is not None:
-                raise self.abort(_reported_problem(report, host, int(port)))
+                raise self.abort(reported_problem(report, host, int(port)))
             if time.monotonic() >= deadline if deadline is not None else self.waiting.over(missing_ranks):
                 missing = [str(r) for r in missing_ranks()]
                 if self.loopback and deadline is None and time.monotonic() < self.waiting.deadline:

@@ -14,8 +14,9 @@
   cannot tell it through the store. It sends a UDP datagram to the same address and port number
   instead (a different port space), which a firewall that drops or rejects only that TCP port lets
   through: machine 0 then stops within seconds too. Where UDP is blocked as well, machine 0 waits for
-  the rendezvous timeout, as it must (nothing reaches it). The datagrams are only read during machine
-  0's network check; one carries a machine rank, host, address and reason, and nothing is executed.
+  the rendezvous timeout, as it must (nothing reaches it). The datagrams are read during machine 0's
+  network check, and with ``--num_machines MIN:MAX`` for the whole launch (:mod:`hasten.launchers.netwatch`);
+  one carries a machine rank, host, address and reason, and nothing is executed.
 """
 
 from __future__ import annotations
@@ -175,6 +176,14 @@ class Inbox:
                 return Report(rank, str(message.get("host", "?")), str(message.get("address", "?")), "failed",
                               str(message.get("reason", "")))
         return None
+
+    def wait(self, timeout: float) -> Report | None:
+        """Like :meth:`poll`, after waiting up to ``timeout`` seconds for a datagram (for a thread that only listens)."""
+        if self.sock is None:
+            return None
+        with contextlib.suppress(OSError, ValueError):  # closed meanwhile: poll() says nothing
+            select.select([self.sock], [], [], timeout)
+        return self.poll()
 
     def close(self) -> None:
         """Stop listening."""

@@ -18,13 +18,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hasten.base.environment import patch_environment
 from hasten.config.env import PREEMPTION_DIR_VAR
 from hasten.environments.preemption import PREEMPTED_EXIT_CODE, signal_number
 from hasten.exceptions import LaunchError
 from hasten.launchers.plan import HANG_EXIT_CODE, WORKER_MODULE, LaunchOptions, LaunchPlan
+
+if TYPE_CHECKING:
+    from hasten.launchers.netwatch import ElasticWatch
 
 #: ``hasten launch``'s exit status when the network check failed (as when the machines could not meet).
 NETWORK_CHECK_EXIT_CODE = 1
@@ -98,7 +101,11 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousClosedError,
+        RendezvousError,
+        RendezvousTimeoutError,
+    )
     from torch.distributed.run import get_args_parser, run
 
     from hasten.launchers.network import bind_address, interface_of, store_server
@@ -126,11 +133,18 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
     markers = tempfile.mkdtemp(prefix="hasten-preempt-")  # workers stopped by preemption leave a file here
     agent_env[PREEMPTION_DIR_VAR] = markers
     started = time.time()
+    watch: ElasticWatch | None = None  # machine 0 of a MIN:MAX launch: the others' UDP reports
     with _added_environment(agent_env), contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, markers, True)
         try:
             if hosts_store:
                 stack.enter_context(store_server(plan.bind_addr, plan.master_port))
+            if plan.min_nnodes and plan.nnodes > 1 and plan.node_rank == 0 and not options.check_network:
+                from hasten.launchers.netwatch import ElasticWatch
+
+                # Bound before the check, so that no report of a machine that cannot reach the port is lost.
+                watch = stack.enter_context(ElasticWatch(plan.bind_addr, plan.master_addr, plan.master_port,
+                                                         plan.min_nnodes, plan.nnodes))
             if plan.nnodes > 1:
                 failed = _network_check(plan, options)
                 if failed is not None or options.check_network:
@@ -144,6 +158,16 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
             print(f"hasten launch: stopped by signal {exc.sigval.name}; all workers were terminated.",
                   file=sys.stderr)
             return 128 + int(exc.sigval)
+        except RendezvousClosedError:
+            return _closed_rendezvous(plan, watch)
+        except RendezvousTimeoutError as exc:  # c10d: fewer than MIN machines joined in time
+            from hasten.launchers.netwatch import timeout_problem
+
+            endpoint = f"{plan.master_addr}:{plan.master_port}"
+            line = watch.timeout_problem(endpoint, exc) if watch is not None else \
+                timeout_problem(endpoint, plan.master_port, plan.min_nnodes, plan.nnodes, exc)
+            print(f"hasten launch: {line}", file=sys.stderr, flush=True)
+            return 1
         except (RendezvousError, DistStoreError, DistNetworkError) as exc:  # static rendezvous: its store timed out
             print(f"hasten launch: the machines could not meet at {plan.master_addr}:{plan.master_port} "
                   f"({type(exc).__name__}: {exc}). HINT: check --main_process_ip/--main_process_port, that every "
@@ -156,6 +180,21 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
         if _report_preemption(markers, plan.nproc_per_node, started):  # signalled workers, not this launcher
             return PREEMPTED_EXIT_CODE
     return 0
+
+
+def _closed_rendezvous(plan: LaunchPlan, watch: ElasticWatch | None) -> int:
+    """MIN:MAX: machine 0's watch closed the rendezvous (too few machines can join); print its line everywhere."""
+    from hasten.launchers.netwatch import recorded_problem
+
+    line = watch.fatal if watch is not None else recorded_problem(plan.master_addr, plan.master_port)
+    if line is None:
+        print(f"hasten launch: the rendezvous at {plan.master_addr}:{plan.master_port} was closed before this machine "
+              "joined a round: the run ended or stopped. HINT: see machine 0's output", file=sys.stderr, flush=True)
+        return 1
+    print(f"hasten launch: network check failed: {line}", file=sys.stderr, flush=True)
+    if watch is not None:
+        watch.linger()  # machine 0 hosts the store the others read the line from
+    return NETWORK_CHECK_EXIT_CODE
 
 
 def _report_preemption(folder: str, nproc: int, started: float) -> bool:
@@ -193,6 +232,10 @@ def _network_check(plan: LaunchPlan, options: LaunchOptions) -> int | None:
         print(f"hasten launch: network check failed: {exc}", file=sys.stderr, flush=True)
         return NETWORK_CHECK_EXIT_CODE
     print(f"hasten launch: {describe(peers, endpoint, met=plan.min_nnodes is None)}", file=sys.stderr, flush=True)
+    if plan.min_nnodes and plan.node_rank != 0 and not options.check_network:
+        from hasten.launchers.netwatch import joined
+
+        joined(plan.master_addr, plan.master_port)  # machine 0 keeps its store for this one if it must stop all
     return None
 
 
