@@ -18,7 +18,9 @@ Each machine's launcher checks, in this order:
 The first problem found is written to the store once (``compare_set``), so every machine that reached
 the store prints the same line and stops; a machine that cannot reach the store stops with its own line
 and reports it to machine 0 over UDP (:mod:`hasten.launchers.netsignals`), which stops with a line
-naming that machine. Only sockets and torch's store are used: no rendezvous or collective of hasten's own.
+naming that machine (with ``--num_machines MIN:MAX`` machine 0 reads those reports all launch long and
+stops only once fewer than MIN machines can join: :mod:`hasten.launchers.netwatch`). Only sockets and
+torch's store are used: no rendezvous or collective of hasten's own.
 
 Loopback: ``127.0.0.1`` reaches only the processes of this computer's network namespace, so with a
 loopback address the machines meet only if they all run here. A machine that waits for another one
@@ -328,7 +330,10 @@ class _Meeting:
                     f"the machines could not meet at {self.endpoint}: machine(s) {', '.join(missing)} did not "
                     f"{'arrive' if kind == 'peer' else 'finish the network check'} in time (this is machine "
                     f"{self.rank}). HINT: start every machine with the same --main_process_ip/--main_process_port "
-                    "and --num_machines and its own --machine_rank, and check that they reach that port (a firewall)")
+                    "and --num_machines and its own --machine_rank. A machine that cannot reach that port stops "
+                    "with its own line and reports it to machine 0 over UDP (same port number), which stops every "
+                    "machine at once: a wait this long means that it was not started, or that a firewall blocks UDP "
+                    "to machine 0 as well (see that machine's output)")
             time.sleep(_POLL)
         return [self.store.get(key) for key in keys]
 

@@ -26,7 +26,6 @@ then names that as the likely cause (:func:`timeout_problem`).
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 import threading
 import time
@@ -151,12 +150,13 @@ def timeout_problem(endpoint: str, port: int, min_nnodes: int | None, max_nnodes
     likely causes are, including the one the UDP reports cannot cover: UDP blocked too.
     """
     wanted = f"{min_nnodes} of up to {max_nnodes}" if min_nnodes else str(max_nnodes)
-    head = (f"the machines could not meet at {endpoint}: fewer than {wanted} machines joined the rendezvous before "
-            f"its timeout ({type(error).__name__}: {error}).")
+    why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    head = f"the machines could not meet at {endpoint}: fewer than {wanted} machines joined the rendezvous before its " \
+           f"timeout ({why})."
     if heard:
         return f"{head} {' '.join(heard)}"
     return (f"{head} Either a machine was not started (or with other --main_process_ip/--main_process_port/"
-            f"--num_machines), or it cannot reach TCP port {port} on {socket.gethostname()} (a firewall) and its "
+            f"--num_machines), or it cannot reach TCP port {port} on machine 0 (a firewall) and its "
             f"report over UDP port {port} could not arrive either (UDP blocked too): see that machine's own "
             f"'network check failed' line. HINT: allow TCP (and UDP) port {port} to machine 0 from the other machines, "
             "and lower the wait with --rdzv_conf join_timeout=S while debugging")
