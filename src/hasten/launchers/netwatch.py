@@ -41,6 +41,7 @@ __all__ = ["ElasticWatch", "recorded_problem", "timeout_problem"]
 
 _ABORT = "hasten/network_check/elastic_abort"  # the line, in machine 0's store (torch's rendezvous store)
 _STOPPED = "hasten/network_check/elastic_stopped"  # machines that read it
+_JOINED = "hasten/network_check/elastic_joined"  # machines other than 0 that passed their check
 #: Seconds machine 0 keeps its store after closing the rendezvous, for the other machines to read the line.
 LINGER = 5.0
 _WAIT = 0.2  # how long the thread waits for a datagram before it looks at its stop flag
@@ -109,7 +110,7 @@ class ElasticWatch:
         with contextlib.suppress(RuntimeError, OSError):  # no store: the others stop with torch's message
             store = _client(self.master_addr, self.port, 5.0)
             store.set(_ABORT, line)
-            self.others = int(store.add("hasten/network_check/elastic_joined", 0))
+            self.others = int(store.add(_JOINED, 0))
         elastic.close_rendezvous()
 
     def linger(self) -> None:
@@ -128,7 +129,7 @@ class ElasticWatch:
 def joined(master_addr: str, port: int) -> None:
     """A machine other than 0 passed its check under MIN:MAX: count it, so that machine 0 lingers for it."""
     with contextlib.suppress(RuntimeError, OSError):
-        _client(master_addr, port, 5.0).add("hasten/network_check/elastic_joined", 1)
+        _client(master_addr, port, 5.0).add(_JOINED, 1)
 
 
 def recorded_problem(master_addr: str, port: int) -> str | None:
