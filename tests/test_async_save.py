@@ -267,6 +267,8 @@ def _fsdp2_async(root: str) -> dict:
     FileSystemWriter.write_data = recording
     at_call = _local_state(model, optimizer)
     accelerator.save_state(Path(root) / "async", async_save=True)
+    buffers = accelerator._background_saver.buffers
+    pointers, held = sorted(storage.data_ptr() for _, storage in buffers._used), buffers.nbytes
     step()
     trained.set()
     accelerator.wait_for_checkpoint()
@@ -302,9 +304,15 @@ def _fsdp2_async(root: str) -> dict:
     kept.pop("hasten_checkpoint.json")
     step()
     accelerator.save_state(Path(root) / "async", async_save=True)
+    reused = sorted(storage.data_ptr() for _, storage in buffers._used) == pointers
     accelerator.end_training()  # waits for it
+    # This rank's local shards only (FSDP2 pads them to an even split), plus its generators' state
+    local = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (
+        [p.to_local() for p in model.parameters()]
+        + [v.to_local() if hasattr(v, "to_local") else v for st in optimizer.optimizer.state.values() for v in st.values()])}
     shard = f"pytorch_model_fsdp_0/__{rank}_0.distcp"  # the weights after one more step
-    return {"writers": writers, "files_equal": sync == asynchronous, "metadata": len(metadata),
+    return {"writers": writers, "reused": reused, "held": held, "shards": sum(local.values()),
+            "full": 3 * 4 * sum(p.numel() for p in model.parameters()), "files_equal": sync == asynchronous, "metadata": len(metadata),
             "loads_the_call": _same(loaded, at_call), "training_moved": not _same(after, at_call),
             "error": str(caught.value), "previous_kept": all(asynchronous[k] == v for k, v in kept.items()
                                                              if not k.endswith(".metadata")),
@@ -323,3 +331,7 @@ def test_an_fsdp2_sharded_async_save_stages_shards_and_writes_them_in_the_backgr
         assert "process 1: " in result["error"] and "No space left on device" in result["error"]
         assert result["error"].endswith("async.tmp/pytorch_model_fsdp_0'")
         assert result["previous_kept"] and result["next_published"]
+        # the staging buffers hold this rank's shards (not the full state: 3x the weights with AdamW) and
+        # two generators' states (5 KB each), and the next save copies into the same buffers
+        assert result["shards"] < result["full"]
+        assert result["shards"] <= result["held"] <= result["shards"] + 2 * 5056 and result["reused"]

@@ -19,14 +19,21 @@ a background thread (one per process):
 Until step 3 the previous checkpoint is untouched, so a crash or ``kill -9`` at any moment leaves it
 loadable, never a half one. At most one save is in flight: the next ``save_state``, ``load_state``,
 ``wait_for_checkpoint`` and ``end_training`` wait for it, and raise its failure (the same message on
-every process, naming the process and the file). Files an engine writes itself (DCP's for FSDP2
-sharded state dicts, DeepSpeed's) are written on the calling thread as in a synchronous save; only
-their publication is in the background. So is a state that cannot be deep-copied (a rare object):
-it is written on the calling thread, then sealed in the background.
+every process, naming the process and the file).
+
+Sharded checkpoints (DCP folders, :mod:`hasten.checkpointing.dcp`) are staged the same way: each
+process's local shards are copied (DTensors of the same spec over host copies) and
+:meth:`Snapshot.add_collective` keeps them for a write that every process runs together. Before its
+own files, the background thread runs those writes (``dcp.save``) in the order the save added them,
+on the coordinator's gloo group, and the processes agree after each one: one thread, one order, one
+group, so DCP's collectives never interleave with the publication's or the training loop's. Files
+DeepSpeed writes itself are written on the calling thread as in a synchronous save; only their
+publication is in the background. So is a state that cannot be deep-copied (a rare object): it is
+written on the calling thread, then sealed in the background.
 
 Memory: one set of staging buffers per :class:`BackgroundSaver` (per Accelerator), the size of the
-tensors this process writes (weights, optimizer state, accumulated gradients), kept between saves and
-freed by ``end_training`` (:meth:`BackgroundSaver.release`).
+tensors this process writes (weights, optimizer state, accumulated gradients; for a sharded save its
+local shards), kept between saves and freed by ``end_training`` (:meth:`BackgroundSaver.release`).
 """
 
 from __future__ import annotations

@@ -132,12 +132,21 @@ class StagingBuffers:
                 continue
             if _stageable(tensor):
                 memo[id(tensor)] = self._staged_view(tensor, tag=True)
-            elif _is_dtensor(tensor) and not tensor.requires_grad and _stageable(tensor._local_tensor):
-                from torch.distributed.tensor import DTensor
-
-                local = self._staged_view(tensor._local_tensor, tag=False)
-                memo[id(tensor)] = DTensor(local, tensor._spec, requires_grad=False)
+            elif _is_dtensor(tensor):
+                staged = self._staged_dtensor(tensor)
+                if staged is not None:
+                    memo[id(tensor)] = staged
         return copy.deepcopy(state, memo)
+
+    def _staged_dtensor(self, tensor: Any) -> Any:
+        """A DTensor of ``tensor``'s spec over a staged copy of its local shard (None: deep-copy it instead)."""
+        from torch.distributed.tensor import DTensor
+
+        local = tensor._local_tensor
+        if tensor.requires_grad or not _stageable(local):
+            return None
+        # No location tag: DCP writes every shard from a CPU tensor, whatever the device of the source.
+        return DTensor(self._staged_view(local, tag=False), tensor._spec, requires_grad=False)
 
     def _staged_view(self, tensor: torch.Tensor, *, tag: bool) -> torch.Tensor:
         buffer = self._copy_of(tensor.untyped_storage(), tag=tag)
@@ -172,8 +181,8 @@ class StagingBuffers:
         else:
             buffer = torch.empty(key[0], dtype=torch.uint8, pin_memory=pinned).untyped_storage()
         if pinned:
-            # torch.save of the copy names the device of the source, as a synchronous save's file does;
-            # DCP instead writes every shard from a CPU tensor ("cpu"), so its copies carry no tag.
+            # torch.save of the copy names the device of the source, as a synchronous save's file does
+            # (not for DCP's shards: tag False).
             _register_tagger()
             with _LOCATIONS_LOCK:
                 if tag:
