@@ -101,6 +101,10 @@ def _dcp_load(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
                               "damaged.") from None
 
 
+_QUIET = [False]  # the filter below is installed
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save"
+
+
 def _dcp_save(state: dict[str, Any], path: Path) -> None:
     """``dcp.save`` of ``state`` to ``path`` on the calling thread, with torch's default process group
     (every process together) -- unless an asynchronous save is capturing the folder: then the local
@@ -124,6 +128,12 @@ def _write_staged(state: dict[str, Any], path: Path, group: Any) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if group is None and not _QUIET[0]:
+        # One process: DCP warns that it "assumes the intent is to save in a single process", which is
+        # the intent here. A filter for that message only, added once: catch_warnings() would swap the
+        # process-wide filters from this background thread under the training loop's feet.
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        _QUIET[0] = True
     try:
         dcp.save(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
     except CheckpointException as exc:  # a BaseException: raised on every process, with every rank's failure
