@@ -335,3 +335,53 @@ def test_an_fsdp2_sharded_async_save_stages_shards_and_writes_them_in_the_backgr
         # two generators' states (5 KB each), and the next save copies into the same buffers
         assert result["shards"] < result["full"]
         assert result["shards"] <= result["held"] <= result["shards"] + 2 * 5056 and result["reused"]
+
+
+KILLED_WHILE_WRITING_SHARDS = textwrap.dedent("""
+    import sys, threading, torch
+    from torch import nn
+    from hasten import Accelerator, FullyShardedDataParallelPlugin
+    from hasten.checkpointing import SAVE_STAGE_HOOKS
+    accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 3)
+    model, optimizer = accelerator.prepare(linear, torch.optim.AdamW(linear.parameters()))
+    accelerator.save_state(sys.argv[1])                     # complete
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    def pause(name, path):                                  # between the model's DCP folder and the optimizer's
+        if name == "async_written" and path.name == "pytorch_model_fsdp_0":
+            print("PAUSED", threading.current_thread().name, flush=True)
+            sys.stdin.readline()
+    SAVE_STAGE_HOOKS.append(pause)
+    accelerator.save_state(sys.argv[1], async_save=True)
+    print("RETURNED", flush=True)
+    accelerator.wait_for_checkpoint()                       # paused: only a DCP folder written elsewhere ends
+    print("PUBLISHED", flush=True)
+""")
+
+
+def test_kill_while_the_background_writes_dcp_folders_keeps_the_previous_checkpoint(tmp_path):
+    from hasten.checkpointing.dcp import read_full_state
+    from hasten.checkpointing.manifest import read_manifest, verify_files
+
+    script = tmp_path / "save.py"
+    script.write_text(KILLED_WHILE_WRITING_SHARDS)
+    folder = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, str(script), str(folder)], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True)
+    try:
+        lines = {proc.stdout.readline().strip(), proc.stdout.readline().strip()}
+        assert lines == {"PAUSED hasten-async-save", "RETURNED"}
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    staged = tmp_path / "ck.tmp"
+    assert (staged / "pytorch_model_fsdp_0" / ".metadata").is_file()  # killed halfway through the DCP folders
+    assert not (staged / "optimizer_0").exists()
+    manifest = read_manifest(folder)
+    verify_files(folder, manifest, manifest["files"])  # the previous checkpoint: every file as published
+    torch.manual_seed(0)
+    first = nn.Linear(3, 3)
+    saved = read_full_state(folder / "pytorch_model_fsdp_0")
+    assert torch.equal(saved["weight"], first.weight.detach())  # the first save's weights, not +1
