@@ -68,7 +68,7 @@ def _stageable(tensor: torch.Tensor) -> bool:
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
-    if not type(tensor).__name__ == "DTensor":  # no import of torch.distributed for plain states
+    if type(tensor).__name__ != "DTensor":  # no import of torch.distributed for plain states
         return False
     from torch.distributed.tensor import DTensor
 
