@@ -218,7 +218,26 @@ def test_kill_during_a_background_save_keeps_the_previous_checkpoint(tmp_path, s
     assert torch.equal(saved["weight"], nn.Linear(3, 3).weight.detach())  # the first save's weights, not +1
 
 
-def _fsdp2_async(root: str) -> tuple[bool, bool]:
+def _local_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shards of the parameters and of AdamW's state (keyed by position, not object)."""
+    state = {name: p.to_local().detach().clone() for name, p in model.named_parameters()}
+    params = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+    for i, param in enumerate(params):
+        for key, value in optimizer.optimizer.state[param].items():
+            state[f"{i}.{key}"] = (value.to_local() if hasattr(value, "to_local") else value).detach().clone()
+    return state
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _fsdp2_async(root: str) -> dict:
+    import pickle
+    import threading
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
     from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
 
     accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
@@ -234,18 +253,135 @@ def _fsdp2_async(root: str) -> tuple[bool, bool]:
 
     step()
     accelerator.save_state(Path(root) / "sync")
+    # DCP's file writer, wrapped: it records which thread writes, and a write off the calling thread
+    # waits until training has changed the parameters and AdamW's moments in place.
+    writers, trained = [], threading.Event()
+    write_data = FileSystemWriter.write_data
+
+    def recording(self, plan, planner):
+        writers.append(threading.current_thread().name)
+        if threading.current_thread() is not threading.main_thread():
+            assert trained.wait(timeout=60)
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = recording
+    at_call = _local_state(model, optimizer)
     accelerator.save_state(Path(root) / "async", async_save=True)
+    buffers = accelerator._background_saver.buffers
+    pointers, held = sorted(storage.data_ptr() for _, storage in buffers._used), buffers.nbytes
     step()
+    trained.set()
     accelerator.wait_for_checkpoint()
-    moved = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    FileSystemWriter.write_data = write_data
+    after = _local_state(model, optimizer)
+    sync, asynchronous = _files(Path(root) / "sync"), _files(Path(root) / "async")
+    for files in (sync, asynchronous):
+        files.pop("hasten_checkpoint.json")  # the manifest: the checksums of the .metadata files
+    metadata = [name for name in sync if name.endswith(".metadata")]
+    for name in metadata:  # equal but for DCP's storage_meta (the folder's path and a random save id)
+        sync[name], asynchronous[name] = (vars(pickle.loads(files[name])) for files in (sync, asynchronous))
+        assert sync[name].pop("storage_meta").save_id != asynchronous[name].pop("storage_meta").save_id
     accelerator.load_state(Path(root) / "async")
-    from_async = accelerator.get_state_dict(model)
-    accelerator.load_state(Path(root) / "sync")
-    from_sync = accelerator.get_state_dict(model)
-    same = bool(from_sync) and all(torch.equal(from_async[k], from_sync[k]) for k in from_sync)
-    return same, any(not torch.equal(from_async[k], moved[k]) for k in moved)
+    loaded = _local_state(model, optimizer)
+
+    # A failure of one rank in the background, after its model folder: every rank raises it, naming
+    # the folder; no rank starts the optimizer folder alone (its collectives would hang), the
+    # previous checkpoint stays, and the next save works.
+    rank = accelerator.process_index
+
+    def fail(stage: str, path: Path) -> None:
+        if stage == "async_written" and rank == 1 and path.name == "pytorch_model_fsdp_0":
+            raise OSError(28, "No space left on device", str(path))
+
+    SAVE_STAGE_HOOKS.append(fail)
+    try:
+        accelerator.save_state(Path(root) / "async", async_save=True)
+        with pytest.raises(CheckpointError) as caught:
+            accelerator.wait_for_checkpoint()
+    finally:
+        SAVE_STAGE_HOOKS.clear()
+    kept = _files(Path(root) / "async")
+    kept.pop("hasten_checkpoint.json")
+    step()
+    accelerator.save_state(Path(root) / "async", async_save=True)
+    reused = sorted(storage.data_ptr() for _, storage in buffers._used) == pointers
+    accelerator.end_training()  # waits for it
+    # This rank's local shards only (FSDP2 pads them to an even split), plus its generators' state
+    local = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (
+        [p.to_local() for p in model.parameters()]
+        + [v.to_local() if hasattr(v, "to_local") else v for st in optimizer.optimizer.state.values() for v in st.values()])}
+    shard = f"pytorch_model_fsdp_0/__{rank}_0.distcp"  # the weights after one more step
+    return {"writers": writers, "reused": reused, "held": held, "shards": sum(local.values()),
+            "full": 3 * 4 * sum(p.numel() for p in model.parameters()), "files_equal": sync == asynchronous, "metadata": len(metadata),
+            "loads_the_call": _same(loaded, at_call), "training_moved": not _same(after, at_call),
+            "error": str(caught.value), "previous_kept": all(asynchronous[k] == v for k, v in kept.items()
+                                                             if not k.endswith(".metadata")),
+            "next_published": (Path(root) / "async" / "hasten_checkpoint.json").is_file()
+            and _files(Path(root) / "async")[shard] != asynchronous[shard]}
 
 
-def test_an_fsdp2_sharded_async_save_loads_the_state_of_the_call(tmp_path):
-    same, differs_from_later = run_on_ranks(_fsdp2_async, world_size=2, args=(str(tmp_path),))[0]  # full on rank 0
-    assert same and differs_from_later
+def test_an_fsdp2_sharded_async_save_stages_shards_and_writes_them_in_the_background(tmp_path):
+    for result in run_on_ranks(_fsdp2_async, world_size=2, args=(str(tmp_path),)):
+        # DCP's files are written by the background thread only (model, then optimizer folder) ...
+        assert result["writers"] == ["hasten-async-save", "hasten-async-save"]
+        # ... from the state of the call, although training changed it in place before they were written
+        assert result["training_moved"] and result["loads_the_call"]
+        assert result["files_equal"] and result["metadata"] == 2  # a synchronous save's files
+        assert "nothing was published; the previous checkpoint is intact" in result["error"]
+        assert "process 1: " in result["error"] and "No space left on device" in result["error"]
+        assert result["error"].endswith("async.tmp/pytorch_model_fsdp_0'")
+        assert result["previous_kept"] and result["next_published"]
+        # the staging buffers hold this rank's shards (not the full state: 3x the weights with AdamW) and
+        # two generators' states (5 KB each), and the next save copies into the same buffers
+        assert result["shards"] < result["full"]
+        assert result["shards"] <= result["held"] <= result["shards"] + 2 * 5056 and result["reused"]
+
+
+KILLED_WHILE_WRITING_SHARDS = textwrap.dedent("""
+    import sys, threading, torch
+    from torch import nn
+    from hasten import Accelerator, FullyShardedDataParallelPlugin
+    from hasten.checkpointing import SAVE_STAGE_HOOKS
+    accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 3)
+    model, optimizer = accelerator.prepare(linear, torch.optim.AdamW(linear.parameters()))
+    accelerator.save_state(sys.argv[1])                     # complete
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    def pause(name, path):                                  # between the model's DCP folder and the optimizer's
+        if name == "async_written" and path.name == "pytorch_model_fsdp_0":
+            print("PAUSED", threading.current_thread().name, flush=True)
+            sys.stdin.readline()
+    SAVE_STAGE_HOOKS.append(pause)
+    accelerator.save_state(sys.argv[1], async_save=True)
+    print("RETURNED", flush=True)
+    accelerator.wait_for_checkpoint()                       # paused: only a DCP folder written elsewhere ends
+    print("PUBLISHED", flush=True)
+""")
+
+
+def test_kill_while_the_background_writes_dcp_folders_keeps_the_previous_checkpoint(tmp_path):
+    from hasten.checkpointing.dcp import read_full_state
+    from hasten.checkpointing.manifest import read_manifest, verify_files
+
+    script = tmp_path / "save.py"
+    script.write_text(KILLED_WHILE_WRITING_SHARDS)
+    folder = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, str(script), str(folder)], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True)
+    try:
+        lines = {proc.stdout.readline().strip(), proc.stdout.readline().strip()}
+        assert lines == {"PAUSED hasten-async-save", "RETURNED"}
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    staged = tmp_path / "ck.tmp"
+    assert (staged / "pytorch_model_fsdp_0" / ".metadata").is_file()  # killed halfway through the DCP folders
+    assert not (staged / "optimizer_0").exists()
+    manifest = read_manifest(folder)
+    verify_files(folder, manifest, manifest["files"])  # the previous checkpoint: every file as published
+    torch.manual_seed(0)
+    first = nn.Linear(3, 3)
+    saved = read_full_state(folder / "pytorch_model_fsdp_0")
+    assert torch.equal(saved["weight"], first.weight.detach())  # the first save's weights, not +1

@@ -171,3 +171,29 @@ def test_async_save_of_a_cuda_model_stages_in_pinned_memory_and_equals_a_sync_sa
         assert tensor.device.type == "cuda" and torch.equal(tensor.cpu(), saved_weights[name]), name
     accelerator.end_training()
     assert buffers.nbytes == 0
+
+
+def test_async_sharded_save_of_fsdp2_on_one_gpu_stages_local_shards_in_pinned_memory(tmp_path: Path):
+    reset_state()
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    batches = _batches()
+    _train(accelerator, model, optimizer, batches[:2])
+    accelerator.save_state(str(tmp_path / "sync"))
+    at_call = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    accelerator.save_state(str(tmp_path / "async"), async_save=True)
+    buffers = accelerator._background_saver.buffers
+    pinned = [storage for (_, pinned), storage in buffers._used if pinned]
+    assert len(pinned) >= 3 * len(list(model.parameters()))  # the DTensors' local shards and moments
+    _train(accelerator, model, optimizer, batches[2:])  # in place on the GPU, while the background writes
+    accelerator.wait_for_checkpoint()
+    sync, asynchronous = _files(tmp_path / "sync"), _files(tmp_path / "async")
+    shards = [name for name in sync if name.endswith(".distcp")]
+    assert len(shards) == 2 and all(sync[name] == asynchronous[name] for name in shards)  # DCP wrote the same shards
+    accelerator.load_state(str(tmp_path / "async"))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor.full_tensor().cpu(), at_call[name]), name
+    accelerator.end_training()
+    assert buffers.nbytes == 0

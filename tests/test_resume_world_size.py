@@ -4,8 +4,8 @@ Ground truth: the uninterrupted run on the saving number of processes. A run sav
 processes and resumed on M, with the global batch kept (per-process batch x processes x accumulation),
 must use the same samples in every later optimizer step (so the same set of samples overall) and end
 with the same weights (within 1e-5: only the order of the float reductions differs), for DDP, FSDP2
-with sharded (DCP) checkpoints, an HSDP 2x2 mesh resumed on FSDP2 over 3 processes, and DeepSpeed
-ZeRO-2 (converted to DeepSpeed's universal checkpoint on load).
+with sharded (DCP) checkpoints (saved with ``async_save=True``), an HSDP 2x2 mesh resumed on FSDP2
+over 3 processes, and DeepSpeed ZeRO-2 (converted to DeepSpeed's universal checkpoint on load).
 """
 
 from __future__ import annotations
@@ -88,7 +88,10 @@ def _train(kind: str, accumulation: int, folder: str, resume: bool) -> tuple[lis
                     steps.append(sorted(window))
                 window = []
                 if done == SAVE_AT and not resume:
-                    accelerator.save_state(folder)
+                    # Sharded (DCP) checkpoints are saved asynchronously: training goes on while they
+                    # are written, so the resumed runs also check that they hold the state of the call.
+                    accelerator.save_state(folder, async_save=kind in ("fsdp2", "hsdp"))
+    accelerator.wait_for_checkpoint()
     weights = {k: v.detach().float().clone() for k, v in accelerator.get_state_dict(model).items()}
     return steps, weights
 

@@ -19,14 +19,21 @@ a background thread (one per process):
 Until step 3 the previous checkpoint is untouched, so a crash or ``kill -9`` at any moment leaves it
 loadable, never a half one. At most one save is in flight: the next ``save_state``, ``load_state``,
 ``wait_for_checkpoint`` and ``end_training`` wait for it, and raise its failure (the same message on
-every process, naming the process and the file). Files an engine writes itself (DCP's for FSDP2
-sharded state dicts, DeepSpeed's) are written on the calling thread as in a synchronous save; only
-their publication is in the background. So is a state that cannot be deep-copied (a rare object):
-it is written on the calling thread, then sealed in the background.
+every process, naming the process and the file).
+
+Sharded checkpoints (DCP folders, :mod:`hasten.checkpointing.dcp`) are staged the same way: each
+process's local shards are copied (DTensors of the same spec over host copies) and
+:meth:`Snapshot.add_collective` keeps them for a write that every process runs together. Before its
+own files, the background thread runs those writes (``dcp.save``) in the order the save added them,
+on the coordinator's gloo group, and the processes agree after each one: one thread, one order, one
+group, so DCP's collectives never interleave with the publication's or the training loop's. Files
+DeepSpeed writes itself are written on the calling thread as in a synchronous save; only their
+publication is in the background. So is a state that cannot be deep-copied (a rare object): it is
+written on the calling thread, then sealed in the background.
 
 Memory: one set of staging buffers per :class:`BackgroundSaver` (per Accelerator), the size of the
-tensors this process writes (weights, optimizer state, accumulated gradients), kept between saves and
-freed by ``end_training`` (:meth:`BackgroundSaver.release`).
+tensors this process writes (weights, optimizer state, accumulated gradients; for a sharded save its
+local shards), kept between saves and freed by ``end_training`` (:meth:`BackgroundSaver.release`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +51,8 @@ from hasten.checkpointing.staging import StagingBuffers
 from hasten.exceptions import CheckpointError
 
 Writer = Callable[[Any, Path], Any]  # write(state, file): what a synchronous save runs for that file
+# write(state, folder, group): a write every process runs together (DCP's), on ``group`` (None: alone)
+CollectiveWriter = Callable[[Any, Path, Any], Any]
 _WRITTEN = object()  # a file already written on the calling thread: only sealed in the background
 _CAPTURING: dict[Path, Snapshot] = {}
 _LOCK = threading.Lock()
@@ -55,6 +65,7 @@ class Snapshot:
         self.folder = folder
         self.buffers = buffers if buffers is not None else StagingBuffers()
         self.files: list[tuple[Path, Writer, Any]] = []
+        self.collective: list[tuple[Path, CollectiveWriter, Any]] = []
 
     def add(self, path: Path, write: Writer, state: Any) -> None:
         """Stage ``state`` now (tensors copied into the buffers); ``write(staged, path)`` runs later."""
@@ -64,6 +75,29 @@ class Snapshot:
             write(state, path)
             staged = _WRITTEN
         self.files.append((path, write, staged))
+
+    def add_collective(self, path: Path, write: CollectiveWriter, state: Any) -> None:
+        """Stage ``state`` now (a sharded state dict: local shards copied into the buffers);
+        ``write(staged, path, group)`` runs later, on every process, in the order they were added."""
+        self.collective.append((path, write, self.buffers.stage(state)))
+
+    def write_collective(self, coordinator: Coordinator,
+                         after_folder: Callable[[Path], None] | None = None) -> str | None:
+        """Run the collective writes in order on the coordinator's group; None, or the first failure
+        (the same on every process: they agree after each folder, so none starts the next one alone).
+
+        Every process must call it, with the same writes added in the same order.
+        """
+        agreed = None
+        try:
+            while self.collective and agreed is None:
+                path, write, staged = self.collective.pop(0)  # the copy is dropped as soon as it is written
+                error = _attempt(partial(_write_together, write, staged, path, coordinator.group, after_folder))[1]
+                del staged
+                agreed = coordinator.first_error(error)
+        finally:
+            self.collective.clear()
+        return agreed
 
     def write_out(self, after_file: Callable[[Path], None] | None = None) -> dict[str, tuple[int, str]]:
         """Serialise, write, checksum and fsync every file; ``{relative path: (size, crc32 hex)}``.
@@ -91,6 +125,17 @@ class Snapshot:
         finally:
             self.files.clear()
             sealer._pool.shutdown(wait=True)
+
+
+def _write_together(write: CollectiveWriter, staged: Any, path: Path, group: Any,
+                    after: Callable[[Path], None] | None) -> None:
+    try:
+        write(staged, path, group)
+    except Exception as exc:
+        reason = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(f"writing {path} failed: {reason}") from exc
+    if after is not None:
+        after(path)
 
 
 def snapshot_for(path: Path) -> Snapshot | None:
@@ -177,16 +222,26 @@ def finish(snapshot: Snapshot, pub: Publication, coordinator: Coordinator) -> No
     """The background part: write and seal, agree, publish, prune (same steps as a synchronous save)."""
     from hasten.checkpointing.naming import publish, run_stage_hooks
 
-    sealed, error = _attempt(lambda: snapshot.write_out(lambda path: run_stage_hooks("async_written", path)))
-    if error is None:
-        _, error = _attempt(lambda: run_stage_hooks("before_publish", pub.staging))
+    def written(path: Path) -> None:
+        run_stage_hooks("async_written", path)
+
+    # First the folders every process writes together (DCP's), in the order the save added them, then
+    # this process's own files. One thread, one order, one group: collectives never interleave.
+    agreed = snapshot.write_collective(coordinator, written)
+    sealed: dict[str, tuple[int, str]] | None = None
+    if agreed is None:
+        sealed, error = _attempt(lambda: snapshot.write_out(written))
+        if error is None:
+            _, error = _attempt(lambda: run_stage_hooks("before_publish", pub.staging))
+        agreed = coordinator.first_error(error)
+    else:
+        snapshot.files.clear()
     steps: list[tuple[bool, Callable[[], Any]]] = [
         (pub.is_main, lambda: publish(pub.target, pub.num_processes, sealed)),
         # machines that do not share the main process's file system publish their own copy
         (pub.is_local_main and not pub.is_main, lambda: publish(pub.target, pub.num_processes, sealed)),
         (pub.is_main and pub.automatic, lambda: _published(pub)),
     ]
-    agreed = coordinator.first_error(error)
     for mine, step in steps:  # every process takes part in every agreement, whatever its role
         if agreed is not None:
             break
@@ -260,4 +315,4 @@ class BackgroundSaver:
                 self.buffers.release()
 
 
-__all__ = ["BackgroundSaver", "Coordinator", "Publication", "Snapshot", "Writer", "capture", "finish", "snapshot_for"]
+__all__ = ["BackgroundSaver", "CollectiveWriter", "Coordinator", "Publication", "Snapshot", "Writer", "capture", "finish", "snapshot_for"]

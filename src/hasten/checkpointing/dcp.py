@@ -78,6 +78,13 @@ def check_model_folder(model: nn.Module, path: Path) -> None:
                               + "; ".join(problems) + ". Nothing was loaded.")
 
 
+def _first_failure(exc: Any) -> tuple[int | None, Any]:
+    """The first failing rank of DCP's CheckpointException and its reason (the exception itself if none)."""
+    failures = getattr(exc, "failures", {}) or {}
+    rank, first = next(iter(failures.items()), (None, exc))
+    return rank, first[0] if isinstance(first, tuple) else first
+
+
 def _dcp_load(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
     """``dcp.load`` through the safe reader and planner; DCP's CheckpointException (a BaseException)
     becomes a CheckpointError carrying the first rank's reason."""
@@ -87,22 +94,60 @@ def _dcp_load(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
     try:
         dcp.load(state, storage_reader=dcp_reader(path), planner=dcp_planner(path), **kwargs)
     except CheckpointException as exc:
-        failures = getattr(exc, "failures", {}) or {}
-        first = next(iter(failures.values()), exc)
-        reason = first[0] if isinstance(first, tuple) else first
+        reason = _first_failure(exc)[1]
         if isinstance(reason, CheckpointError):
             raise CheckpointError(str(reason)) from None
         raise CheckpointError(f"Could not read the shards in {path}: {reason!r}. A .distcp file is missing or "
                               "damaged.") from None
 
 
+_QUIET = [False]  # the filter below is installed
+_SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save"
+
+
+def _dcp_save(state: dict[str, Any], path: Path) -> None:
+    """``dcp.save`` of ``state`` to ``path`` on the calling thread, with torch's default process group
+    (every process together) -- unless an asynchronous save is capturing the folder: then the local
+    shards are only staged in host memory now and written by :func:`_write_staged` in the background."""
+    import torch.distributed.checkpoint as dcp
+
+    from hasten.checkpointing import background
+
+    snapshot = background.snapshot_for(path)
+    if snapshot is not None:
+        snapshot.add_collective(path, _write_staged, state)
+        return
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def _write_staged(state: dict[str, Any], path: Path, group: Any) -> None:
+    """The background half of :func:`_dcp_save`: the staged shards through ``dcp.save`` on ``group``, the
+    background threads' own gloo group (None: a single process, no collectives). Same planner and writer
+    as a synchronous save, so the same files: each rank's ``__{rank}_0.distcp`` (fsync'ed by DCP), then
+    the coordinator's ``.metadata``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if group is None and not _QUIET[0]:
+        # One process: DCP warns that it "assumes the intent is to save in a single process", which is
+        # the intent here. A filter for that message only, added once: catch_warnings() would swap the
+        # process-wide filters from this background thread under the training loop's feet.
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        _QUIET[0] = True
+    try:
+        dcp.save(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
+    except CheckpointException as exc:  # a BaseException: raised on every process, with every rank's failure
+        rank, reason = _first_failure(exc)
+        where = "" if rank is None else f"process {rank}: "
+        raise CheckpointError(f"{where}{type(reason).__name__}: {reason}") from None
+
+
 # ----------------------------------------------------------------------------- sharded save / load
 def save_model(model: nn.Module, path: Path) -> None:
-    """Every rank writes its shards of ``model`` to the DCP folder ``path``."""
-    import torch.distributed.checkpoint as dcp
+    """Every rank writes its shards of ``model`` to the DCP folder ``path`` (in an asynchronous save: stages them)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(path))
+    _dcp_save({"model": get_model_state_dict(model)}, path)
 
 
 def load_model(model: nn.Module, path: Path) -> None:
@@ -116,10 +161,9 @@ def load_model(model: nn.Module, path: Path) -> None:
 
 def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Every rank writes its shards of ``optimizer``'s state (keyed by parameter names) to ``path``."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path))
+    _dcp_save({"optimizer": get_optimizer_state_dict(model, optimizer)}, path)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:

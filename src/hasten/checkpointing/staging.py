@@ -8,8 +8,10 @@ nested dicts/lists/tuples) in which every plain tensor is replaced by a tensor o
 offset, shape and strides over a **staging buffer**: a host storage the size of the source's storage.
 Tensors that share a storage share a buffer, so ``torch.save`` of the copy writes the same storages,
 in the same order, as ``torch.save`` of the original: the files are byte for byte those of a
-synchronous save. The rest of the state (numbers, strings, NumPy arrays, anything else) is deep-copied,
-which is cheap for what a checkpoint holds besides tensors.
+synchronous save. A DTensor of a sharded state dict is staged as a DTensor of the same spec over a
+copy of this process's local shard only (what ``torch.distributed.checkpoint`` writes). The rest of
+the state (numbers, strings, NumPy arrays, anything else) is deep-copied, which is cheap for what a
+checkpoint holds besides tensors.
 
 Memory: the buffers are allocated by the first asynchronous save and reused by the next ones (a
 buffer is reused when a storage of the same size and kind needs one: the same parameters and
@@ -65,6 +67,14 @@ def _stageable(tensor: torch.Tensor) -> bool:
             and not tensor.is_neg() and not tensor.__dict__)
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if type(tensor).__name__ != "DTensor":  # no import of torch.distributed for plain states
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     """The tensors in nested dicts, lists and tuples (elsewhere deep-copying finds them)."""
     stack = [obj]
@@ -110,15 +120,39 @@ class StagingBuffers:
         self._used, self._staged = [], {}
 
     def stage(self, state: Any) -> Any:
-        """A copy of ``state`` whose tensors live in staging buffers (copied now); the rest deep-copied."""
+        """A copy of ``state`` whose tensors live in staging buffers (copied now); the rest deep-copied.
+
+        A DTensor (a sharded state dict's entry) becomes a DTensor of the same spec (mesh, placements,
+        global shape) over a host copy of this process's local shard: what
+        ``torch.distributed.checkpoint`` plans and writes from, as it does for its own CPU staging.
+        """
         memo: dict[int, Any] = {}
         for tensor in _tensors(state):
-            if id(tensor) not in memo and _stageable(tensor):
-                buffer = self._copy_of(tensor.untyped_storage())
-                staged = torch.empty(0, dtype=tensor.dtype)
-                staged.set_(buffer, tensor.storage_offset(), tensor.size(), tensor.stride())
-                memo[id(tensor)] = staged
+            if id(tensor) in memo:
+                continue
+            if _stageable(tensor):
+                memo[id(tensor)] = self._staged_view(tensor, tag=True)
+            elif _is_dtensor(tensor):
+                staged = self._staged_dtensor(tensor)
+                if staged is not None:
+                    memo[id(tensor)] = staged
         return copy.deepcopy(state, memo)
+
+    def _staged_dtensor(self, tensor: Any) -> Any:
+        """A DTensor of ``tensor``'s spec over a staged copy of its local shard (None: deep-copy it instead)."""
+        from torch.distributed.tensor import DTensor
+
+        local = tensor._local_tensor
+        if tensor.requires_grad or not _stageable(local):
+            return None
+        # No location tag: DCP writes every shard from a CPU tensor, whatever the device of the source.
+        return DTensor(self._staged_view(local, tag=False), tensor._spec, requires_grad=False)
+
+    def _staged_view(self, tensor: torch.Tensor, *, tag: bool) -> torch.Tensor:
+        buffer = self._copy_of(tensor.untyped_storage(), tag=tag)
+        staged = torch.empty(0, dtype=tensor.dtype)
+        staged.set_(buffer, tensor.storage_offset(), tensor.size(), tensor.stride())
+        return staged
 
     def end(self) -> None:
         """Wait for the copies from devices; free the buffers this snapshot did not reuse."""
@@ -135,7 +169,7 @@ class StagingBuffers:
         self._drop({key: [buffer] for key, buffer in self._used})
         self._free, self._used, self._staged = {}, [], {}
 
-    def _copy_of(self, source: torch.UntypedStorage) -> torch.UntypedStorage:
+    def _copy_of(self, source: torch.UntypedStorage, *, tag: bool = True) -> torch.UntypedStorage:
         ident = (str(source.device), source.data_ptr(), source.nbytes())
         if ident in self._staged and source.nbytes():  # tensors sharing a storage share its copy
             return self._staged[ident][1]
@@ -147,9 +181,14 @@ class StagingBuffers:
         else:
             buffer = torch.empty(key[0], dtype=torch.uint8, pin_memory=pinned).untyped_storage()
         if pinned:
+            # torch.save of the copy names the device of the source, as a synchronous save's file does
+            # (not for DCP's shards: tag False).
             _register_tagger()
             with _LOCATIONS_LOCK:
-                _LOCATIONS[buffer.data_ptr()] = torch.serialization.location_tag(source)
+                if tag:
+                    _LOCATIONS[buffer.data_ptr()] = torch.serialization.location_tag(source)
+                else:
+                    _LOCATIONS.pop(buffer.data_ptr(), None)
             self._devices.add(source.device)
         buffer.copy_(source, non_blocking=pinned)
         self._used.append((key, buffer))
