@@ -61,7 +61,7 @@ def _config(folder: Path, machines: list[Machine], cpus: int) -> str:
 SlurmctldHost=node0({machines[0].ip})
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={folder}/munge.socket
+AuthInfo=socket={folder}/munge.socket,cred_expire=5
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={folder}/state
@@ -80,6 +80,7 @@ MpiDefault=none
 LaunchParameters=use_interactive_step
 ReturnToService=2
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1,batch_sched_delay=0
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmctldTimeout=30
