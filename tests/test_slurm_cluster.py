@@ -168,7 +168,7 @@ echo "run $SLURM_RESTART_COUNT exit $?" > {tmp_path}/ended$SLURM_RESTART_COUNT
         [(full, full_end), _] = run_on_ranks(_NS["train"], world_size=2,
                                              args=(str(tmp_path / "full"), None, False, True, 0))
         times["reference"] = time.time()
-        _wait_for("the end of the requeued job", ended[1].exists, 120, job_log)
+        _wait_for("the end of the requeued job", ended[1].exists, 90, job_log)
         _wait_for("COMPLETED", lambda: "JobState=COMPLETED" in show(), 30, job_log)  # the script just ended
         times["completed"] = time.time()
     finally:
