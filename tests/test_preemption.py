@@ -14,11 +14,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import hasten.testing
 from hasten import PREEMPTED_EXIT_CODE
 from hasten.environments import preemption
 from hasten.testing import run_on_ranks
@@ -27,80 +29,8 @@ from hasten.testing.distributed import RankFailed
 SIGNAL_AT = 9  # the signal arrives inside the 9th micro-batch of the signalled rank
 
 # The training script, run by forked ranks (its functions, exec'd here) and by `hasten launch` (as a file).
-SCRIPT = """
-import os, signal, sys, time
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from hasten import Accelerator, ProjectConfiguration
-from hasten.environments.preemption import PREEMPTION, Preempted
-from hasten.utils import set_seed
-
-EPOCHS = 2
-
-
-def build(project_dir, auto):
-    config = ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=auto)
-    accelerator = Accelerator(gradient_accumulation_steps=2, project_config=config)
-    set_seed(11)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(320, 6, generator=g)
-    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
-    return (accelerator, *accelerator.prepare(model, optimizer, loader, scheduler))
-
-
-def interrupt(accelerator, how):
-    # ("kill", rank, signal): that rank signals itself; ("mark", path): rank 0 tells the test, which
-    # signals the launcher, and waits until its watcher learned of it (bounded)
-    if how[0] == "kill" and accelerator.process_index == how[1]:
-        os.kill(os.getpid(), how[2])
-    elif how[0] == "mark" and accelerator.is_main_process:
-        open(how[1], "w").close()
-        deadline = time.monotonic() + 60
-        while not PREEMPTION.pending and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-
-def train(project_dir, how, resume, auto, signal_at):
-    # Losses (one per micro-batch), then how the run ended: ("done", weights) or ("stopped", S, steps, code).
-    accelerator, model, optimizer, loader, scheduler = build(project_dir, auto)
-    if resume:
-        accelerator.load_state(None if auto else os.path.join(project_dir, "manual"))
-    losses = []
-    start_epoch = loader.state_dict()["epoch"] if resume else 0
-    try:
-        for _epoch in range(start_epoch, EPOCHS):
-            for x, y in loader:
-                with accelerator.accumulate(model):
-                    loss = nn.functional.mse_loss(model(x), y)
-                    accelerator.backward(loss)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
-                losses.append(round(loss.item(), 7))
-                if how is not None and len(losses) == signal_at:
-                    interrupt(accelerator, how)
-                if accelerator.preemption_requested and not auto:  # the documented pattern without automatic naming
-                    accelerator.save_state(os.path.join(project_dir, "manual"))
-                    return losses, ("stopped", PREEMPTION.stop_step, PREEMPTION.steps, None)
-    except Preempted as exc:
-        return losses, ("stopped", PREEMPTION.stop_step, PREEMPTION.steps, exc.code)
-    weights = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
-    return losses, ("done", weights)
-
-
-if __name__ == "__main__":  # hasten launch script.py PROJECT OUT [MARKER]
-    project, out = sys.argv[1], sys.argv[2]
-    how = ("mark", sys.argv[3]) if len(sys.argv) > 3 else None
-    result = train(project, how, how is None, True, 9)
-    if int(os.environ["RANK"]) == 0:
-        torch.save(result, out)
-    if result[1][0] == "stopped":
-        sys.exit(result[1][3])  # what Preempted carried: 0 under hasten launch, whose agent then exits with 75
-"""
+SCRIPT_PATH = Path(hasten.testing.__file__).parent / "scripts" / "preemption_train.py"
+SCRIPT = SCRIPT_PATH.read_text()
 _NS: dict = {}
 exec(compile(SCRIPT, "preemption_script", "exec"), _NS)  # noqa: S102 - the test's own script
 _train = _NS["train"]

@@ -61,7 +61,9 @@ def _config(folder: Path, machines: list[Machine], cpus: int) -> str:
 SlurmctldHost=node0({machines[0].ip})
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={folder}/munge.socket
+# A requeued job may start again cred_expire + 1 s after it ended (the nodes must have forgotten its old
+# credential); 120 s by default, 5 is SLURM's minimum.
+AuthInfo=socket={folder}/munge.socket,cred_expire=5
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={folder}/state
@@ -80,6 +82,10 @@ MpiDefault=none
 LaunchParameters=use_interactive_step
 ReturnToService=2
 SchedulerType=sched/builtin
+# Only the main scheduling loop (every 60 s by default) starts a pending job whose BeginTime passed, e.g. a
+# requeued one; a pass every second costs nothing on two nodes and also starts a batch job ~1 s after sbatch
+# (~3 s with the default).
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmctldTimeout=30
