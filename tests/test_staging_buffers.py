@@ -94,3 +94,18 @@ def test_tensors_that_do_not_pickle_like_a_plain_copy_are_deep_copied():
     assert buffers.nbytes == 0
     assert type(staged["parameter"]) is torch.nn.Parameter and staged["grad"].requires_grad
     assert _bytes(staged) == _bytes(state)
+
+
+def test_release_forgets_the_location_tag_of_every_buffer_of_one_size():
+    # A CUDA source's buffer is tagged with its device for torch.save; several buffers in use can share one size.
+    # Every tag must go with its buffer: a stale one would label an unrelated pinned tensor that later gets the
+    # same address (CUDA's host allocator reuses blocks) as "cuda:N" in its file.
+    from hasten.checkpointing import staging
+
+    buffers = StagingBuffers()
+    storages = [torch.empty(16, dtype=torch.uint8).untyped_storage() for _ in range(3)]
+    buffers._used = [((16, True), s) for s in storages]
+    for s in storages:
+        staging._LOCATIONS[s.data_ptr()] = "cuda:0"
+    buffers.release()
+    assert not any(s.data_ptr() in staging._LOCATIONS for s in storages)

@@ -166,7 +166,9 @@ class StagingBuffers:
     def release(self) -> None:
         """Free every buffer (call it when no save is in flight)."""
         self._drop(self._free)
-        self._drop({key: [buffer] for key, buffer in self._used})
+        # a list, not a dict by key: several buffers in use share a size, and each one's location tag must go
+        # (a stale tag would label an unrelated pinned tensor at a reused address "cuda:N" in torch.save)
+        self._drop(self._used)
         self._free, self._used, self._staged = {}, [], {}
 
     def _copy_of(self, source: torch.UntypedStorage, *, tag: bool = True) -> torch.UntypedStorage:
@@ -196,12 +198,13 @@ class StagingBuffers:
         return buffer
 
     @staticmethod
-    def _drop(buffers: dict[_Key, list[torch.UntypedStorage]]) -> None:
+    def _drop(buffers: dict[_Key, list[torch.UntypedStorage]] | list[tuple[_Key, torch.UntypedStorage]]) -> None:
+        pairs = ([(key, s) for key, storages in buffers.items() for s in storages] if isinstance(buffers, dict)
+                 else buffers)
         with _LOCATIONS_LOCK:
-            for (_, pinned), storages in buffers.items():
+            for (_, pinned), storage in pairs:
                 if pinned:
-                    for storage in storages:
-                        _LOCATIONS.pop(storage.data_ptr(), None)
+                    _LOCATIONS.pop(storage.data_ptr(), None)
 
 
 __all__ = ["StagingBuffers"]
