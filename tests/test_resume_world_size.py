@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from hasten import Accelerator
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
 from hasten.parallelism_config import ParallelismConfig
-from hasten.testing import run_on_ranks
+from hasten.testing import preload_deepspeed, run_on_ranks
 from hasten.utils import set_seed
 
 GLOBAL_BATCH, SAMPLES, EPOCHS, SAVE_AT = 12, 72, 2, 2  # 6 steps per epoch; save after step 2 of epoch 0
@@ -114,22 +114,6 @@ def _uninterrupted(tmp_path_factory: pytest.TempPathFactory, kind: str, world: i
     return _saved[key]
 
 
-def _deepspeed_in_parent() -> None:
-    """Import DeepSpeed, and what its engine imports on first use, once in the parent: the forked ranks
-    start without paying for it (torch._dynamo, pulled in by DeepSpeed's optimizer check through its Muon
-    module, is ~10 s of every rank's start on 2 busy cores otherwise)."""
-    import importlib
-
-    from hasten.strategies.deepspeed import import_deepspeed
-
-    import_deepspeed("cpu")
-    for module in ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"):
-        try:
-            importlib.import_module(module)
-        except ImportError:  # another DeepSpeed version: the ranks import what they need themselves
-            pass
-
-
 @pytest.mark.parametrize(("saved_kind", "saved_on", "saved_accumulation", "kind", "resumed_on", "accumulation"), [
     ("ddp", 2, 1, "ddp", 4, 1),
     ("ddp", 4, 1, "ddp", 2, 1),
@@ -145,7 +129,7 @@ def _deepspeed_in_parent() -> None:
 def test_mid_epoch_resume_on_another_count_equals_the_uninterrupted_run(
         tmp_path_factory, saved_kind, saved_on, saved_accumulation, kind, resumed_on, accumulation):
     if kind in ("deepspeed", "zero3"):
-        _deepspeed_in_parent()
+        preload_deepspeed()  # once in the parent: the forked ranks start without paying for it
     folder, (full_steps, full_weights) = _uninterrupted(tmp_path_factory, saved_kind, saved_on, saved_accumulation)
     steps, weights = run_on_ranks(_train, world_size=resumed_on, args=(kind, accumulation, str(folder), True),
                                   timeout=300)[0]
