@@ -354,9 +354,9 @@ def _deepspeed_crafted(root: str) -> str:
 
 @pytest.mark.slow
 def test_deepspeed_checkpoint_with_a_crafted_file_is_refused_on_every_rank(tmp_path):
-    from hasten.strategies.deepspeed import import_deepspeed
+    from hasten.testing import preload_deepspeed
 
-    import_deepspeed("cpu")
+    preload_deepspeed()
     errors = run_on_ranks(_deepspeed_crafted, world_size=2, args=(str(tmp_path),), timeout=240)
     assert errors[0] == errors[1] and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in errors[0], errors
     assert not (tmp_path / "ran").exists()

@@ -36,9 +36,9 @@ ATOL = 1e-5
 
 @pytest.fixture(autouse=True, scope="module")
 def _deepspeed_in_parent():
-    from hasten.strategies.deepspeed import import_deepspeed
+    from hasten.testing import preload_deepspeed
 
-    import_deepspeed("cpu")
+    preload_deepspeed()
 
 
 def _model() -> nn.Module:

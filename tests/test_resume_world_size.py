@@ -5,7 +5,7 @@ processes and resumed on M, with the global batch kept (per-process batch x proc
 must use the same samples in every later optimizer step (so the same set of samples overall) and end
 with the same weights (within 1e-5: only the order of the float reductions differs), for DDP, FSDP2
 with sharded (DCP) checkpoints (saved with ``async_save=True``), an HSDP 2x2 mesh resumed on FSDP2
-over 3 processes, and DeepSpeed ZeRO-2 (converted to DeepSpeed's universal checkpoint on load).
+over 3 processes, and DeepSpeed ZeRO-2 and ZeRO-3 (converted to DeepSpeed's universal checkpoint on load).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from hasten import Accelerator
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
 from hasten.parallelism_config import ParallelismConfig
-from hasten.testing import run_on_ranks
+from hasten.testing import preload_deepspeed, run_on_ranks
 from hasten.utils import set_seed
 
 GLOBAL_BATCH, SAMPLES, EPOCHS, SAVE_AT = 12, 72, 2, 2  # 6 steps per epoch; save after step 2 of epoch 0
@@ -37,6 +37,10 @@ def _accelerator(kind: str, world: int, accumulation: int) -> Accelerator:
         from hasten.config.plugins.deepspeed import DeepSpeedPlugin
 
         return Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2), gradient_accumulation_steps=accumulation)
+    if kind == "zero3":
+        from hasten.config.plugins.deepspeed import DeepSpeedPlugin
+
+        return Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3), gradient_accumulation_steps=accumulation)
     if kind == "hsdp":
         return Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
     assert kind == "fsdp2-mesh"
@@ -60,13 +64,16 @@ def _train(kind: str, accumulation: int, folder: str, resume: bool) -> tuple[lis
     per_process = GLOBAL_BATCH // (dp * accumulation)
     set_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    groups: list = [{"params": model.parameters()}]
+    if kind == "zero3":  # two groups with their own hyperparameters: each must come back as saved
+        groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01, "weight_decay": 0}]
+    optimizer = torch.optim.AdamW(groups, lr=0.02)
     loader = DataLoader(_data(), batch_size=per_process, shuffle=True)
     set_seed(100 + world)  # the shuffling seed is drawn here: a resumed run must get its order from the checkpoint
     # A decaying schedule (not under DeepSpeed, whose engine owns schedules): Accelerate steps it once per
     # process per optimizer step, so a resume on another count must keep the saved rate to follow the same
     # learning rates.
-    scheduler = None if kind == "deepspeed" else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + 0.2 * s))
+    scheduler = None if kind in ("deepspeed", "zero3") else torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + 0.2 * s))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if resume:
         accelerator.load_state(folder)
@@ -120,13 +127,12 @@ def _uninterrupted(tmp_path_factory: pytest.TempPathFactory, kind: str, world: i
     ("fsdp2", 2, 1, "fsdp2", 3, 1),
     ("hsdp", 4, 1, "fsdp2-mesh", 3, 1),  # a 2x2 mesh (replicate x shard) onto a 1-D one of 3
     ("deepspeed", 2, 1, "deepspeed", 4, 1),  # ZeRO-2 shards, through DeepSpeed's universal checkpoint
+    ("zero3", 2, 1, "zero3", 3, 1),  # ZeRO-3 (parameters sharded too; two parameter groups), the same way
 ])
 def test_mid_epoch_resume_on_another_count_equals_the_uninterrupted_run(
         tmp_path_factory, saved_kind, saved_on, saved_accumulation, kind, resumed_on, accumulation):
-    if kind == "deepspeed":
-        from hasten.strategies.deepspeed import import_deepspeed
-
-        import_deepspeed("cpu")  # once in the parent: the forked ranks start without paying for it
+    if kind in ("deepspeed", "zero3"):
+        preload_deepspeed()  # once in the parent: the forked ranks start without paying for it
     folder, (full_steps, full_weights) = _uninterrupted(tmp_path_factory, saved_kind, saved_on, saved_accumulation)
     steps, weights = run_on_ranks(_train, world_size=resumed_on, args=(kind, accumulation, str(folder), True),
                                   timeout=300)[0]
@@ -138,26 +144,24 @@ def test_mid_epoch_resume_on_another_count_equals_the_uninterrupted_run(
         assert torch.allclose(weights[key], full_weights[key], rtol=0, atol=ATOL), key
 
 
-def test_zero3_shards_of_another_count_are_refused_and_zero2_ones_are_planned_for_conversion(tmp_path):
+def test_zero_shards_of_another_count_are_planned_for_conversion_and_same_count_ones_are_not(tmp_path):
     from types import SimpleNamespace
 
-    from hasten.checkpointing import CheckpointError
     from hasten.strategies.deepspeed import DeepSpeedStrategy
 
     sub = tmp_path / "pytorch_model"
     sub.mkdir()
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                  "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         torch.save({}, sub / name)
 
-    def strategy(stage: int) -> SimpleNamespace:
+    def strategy(stage: int, processes: int) -> SimpleNamespace:
         engine = SimpleNamespace(zero_optimization=lambda: True, zero_optimization_stage=lambda: stage)
-        return SimpleNamespace(num_processes=4, _engines=lambda models: [("pytorch_model", engine)])
+        return SimpleNamespace(num_processes=processes, _engines=lambda models: [("pytorch_model", engine)])
 
-    with pytest.raises(CheckpointError, match=r"saved by 2 DeepSpeed processes but this run has 4; ZeRO-3 shards "
-                                              r"load only into the same number of processes"):
-        DeepSpeedStrategy.check(strategy(3), [], [], tmp_path)  # type: ignore[arg-type]
-    assert DeepSpeedStrategy.check(strategy(2), [], [], tmp_path).models == {"pytorch_model": 2}  # type: ignore[arg-type]
+    for stage in (1, 2, 3):
+        assert DeepSpeedStrategy.check(strategy(stage, 4), [], [], tmp_path).models == {"pytorch_model": 2}  # type: ignore[arg-type]
+        assert DeepSpeedStrategy.check(strategy(stage, 2), [], [], tmp_path).models == {}  # type: ignore[arg-type]
 
 
 def _dispatched(root: str, save: bool) -> list[int]:

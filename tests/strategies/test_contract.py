@@ -66,9 +66,9 @@ REFUSES_MID_WINDOW_SAVE = {"deepspeed"}
 @pytest.fixture(autouse=True, scope="module")
 def _deepspeed_in_parent():
     # Imported once in the parent so the forked ranks do not each pay for it.
-    from hasten.utils.deepspeed_runtime import import_deepspeed
+    from hasten.testing import preload_deepspeed
 
-    import_deepspeed("cpu")
+    preload_deepspeed()
 
 
 def _accelerator(kind: str, **kwargs) -> Accelerator:

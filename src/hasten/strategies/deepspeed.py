@@ -306,8 +306,8 @@ class DeepSpeedStrategy(Strategy):
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:
-        """The engine's folders exist and their files are safe; ZeRO-1/2 shards of another count are
-        converted on load (:mod:`hasten.checkpointing.universal`), ZeRO-3 shards must match the count."""
+        """The engine's folders exist and their files are safe; ZeRO shards of another count are converted
+        on load (:mod:`hasten.checkpointing.universal`)."""
         universal: dict[str, int] = {}
         for tag, engine in self._engines(models):
             sub = Path(folder) / tag
@@ -316,10 +316,6 @@ class DeepSpeedStrategy(Strategy):
                                       "DeepSpeed (or by another model count); load it without DeepSpeed.")
             ranks = len(list(sub.glob("*optim_states.pt")))
             if engine.zero_optimization() and ranks != self.num_processes:
-                if engine.zero_optimization_stage() > 2:
-                    raise CheckpointError(f"{sub} was saved by {ranks} DeepSpeed processes but this run has "
-                                          f"{self.num_processes}; ZeRO-3 shards load only into the same number of "
-                                          "processes (ZeRO-1/2 checkpoints are converted automatically).")
                 universal[tag] = ranks
             # DeepSpeed reads its files with weights_only=False: refuse any that names a non-allowed type.
             check_deepspeed_files(sorted(sub.glob("*.pt")))
@@ -342,6 +338,10 @@ class DeepSpeedStrategy(Strategy):
                     engine._config.load_universal_checkpoint = previous
                 if path is None:
                     raise CheckpointError(f"DeepSpeed could not load {Path(folder) / tag}.")
+                if convert and root is not None and engine.zero_optimization_partition_weights():
+                    from hasten.checkpointing.universal import repair_zero3_load
+
+                    repair_zero3_load(engine.optimizer.optimizer, root / tag)
         finally:
             if root is not None:
                 self._remove_conversion(root)

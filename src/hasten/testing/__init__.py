@@ -1,5 +1,5 @@
 """Test utilities shipped with hasten: the multi-rank harness and its pytest plugin."""
 
-from hasten.testing.distributed import RankFailed, run_on_ranks
+from hasten.testing.distributed import RankFailed, preload_deepspeed, run_on_ranks
 
-__all__ = ["RankFailed", "run_on_ranks"]
+__all__ = ["RankFailed", "preload_deepspeed", "run_on_ranks"]

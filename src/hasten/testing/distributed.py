@@ -120,6 +120,28 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int = 2, args: tuple[Any, .
     return results
 
 
+def preload_deepspeed() -> None:
+    """Import DeepSpeed (its "cpu" accelerator) and what its engine imports on first use, in this process.
+
+    Ranks forked from it by :func:`run_on_ranks` then start with them loaded: building an engine imports
+    DeepSpeed's Muon optimizer for its optimizer check, and with it ``torch._dynamo`` (about 10 s of every
+    rank's start on two busy cores otherwise). Modules another DeepSpeed version lacks are skipped.
+
+    Raises:
+        MissingDependencyError: deepspeed is not installed.
+    """
+    import importlib
+
+    from hasten.base.deepspeed_runtime import import_deepspeed
+
+    import_deepspeed("cpu")
+    for module in ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+
+
 def _reports(tmp: Path, world_size: int) -> str:
     parts = []
     for rank in range(world_size):
