@@ -51,6 +51,53 @@ def test_single_process_leaves_nothing():
     assert _leftovers() == CLEAN
 
 
+@pytest.fixture(scope="module")
+def _dynamo_in_parent():
+    # torch's optimizers and DDP import torch._dynamo (~2 CPU-s): once here, not in every forked rank
+    import torch._dynamo  # noqa: F401
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.usefixtures("_dynamo_in_parent")
+@pytest.mark.parametrize("held_in_a_cycle", [False, True], ids=["plain", "cycle"])
+def test_ddp_reducers_die_before_the_group_ends_and_a_full_collection_only_when_needed(monkeypatch, held_in_a_cycle):
+    """A live DDP reducer when the gloo group is destroyed aborts some runs at exit: ``end_training``
+    frees the reducers first. Plainly held, dropping the wrapper's references frees them, and the full
+    ``gc.collect()`` (0.2+ CPU-s once torch._dynamo is loaded) is skipped; held by an unreachable
+    reference cycle, the collection runs and frees them too."""
+    import gc
+    import weakref
+
+    import torch
+
+    from hasten import Accelerator
+    from hasten.state import reset_state
+
+    reset_state()
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.backward(model(torch.ones(1, 2)).sum())
+    optimizer.step()
+    reducer, logger = weakref.ref(model.reducer), weakref.ref(model.logger)
+    collections = []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(a) or real_collect(*a))
+    gc.disable()  # no automatic collection in between: only release() may free a cycle
+    try:
+        if held_in_a_cycle:
+            cycle: dict = {"reducer": model.reducer}
+            cycle["self"] = cycle
+            del cycle
+        accelerator.end_training()
+    finally:
+        gc.enable()
+    assert reducer() is None and logger() is None
+    assert not dist.is_initialized()
+    assert len(collections) == (1 if held_in_a_cycle else 0)
+    reset_state()
+
+
 PRIVATE_GROUP = textwrap.dedent("""
     import atexit, json, sys, threading
     registered = []

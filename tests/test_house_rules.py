@@ -1,6 +1,7 @@
 """The architecture's rules, checked on the source: layering, environment access, file budget, lazy imports."""
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -316,12 +317,26 @@ def test_file_budget():
     assert not too_long, f"files over 600 lines: {too_long}"
 
 
+#: Parts of torch that hasten must not import unless a run uses them: each is seconds of CPU per process,
+#: paid by every rank of every launch (torch._dynamo alone ~2 CPU-s; it imports torch.distributed.fsdp).
+#: torch itself imports none of them; torch's optimizers and DDP import torch._dynamo.
+HEAVY_TORCH = ("torch._dynamo", "torch._inductor", "torch.distributed.fsdp", "torch.distributed.tensor",
+               "torch.distributed.checkpoint", "torch.distributed.elastic", "safetensors", "yaml")
+
+
 def test_import_is_light():
+    """``import hasten`` loads no heavy library; a one-process run that prepares a model (no optimizer),
+    unwraps it, reads its state dict and ends loads none of the heavy parts of torch either."""
     code = ("import sys, hasten; from hasten import Accelerator; "
             "heavy = [m for m in ('deepspeed', 'tensorboard', 'mlflow', 'wandb', 'transformers', 'accelerate') "
-            "if m in sys.modules]; print(heavy)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]"
+            "if m in sys.modules]; print(heavy); "
+            "import torch; accelerator = Accelerator(cpu=True); model = accelerator.prepare(torch.nn.Linear(2, 2)); "
+            "accelerator.unwrap_model(model); accelerator.get_state_dict(model); accelerator.end_training(); "
+            f"print([m for m in {HEAVY_TORCH!r} if m in sys.modules])")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env=env)
+    assert out.stdout.split() == ["[]", "[]"], out.stdout
 
 
 @pytest.mark.parametrize("facade", ["hasten", "hasten.utils", "hasten.utils.operations", "hasten.launchers"])

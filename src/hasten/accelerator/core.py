@@ -36,6 +36,7 @@ from hasten.base.dataclasses import (
     ProjectConfiguration,
 )
 from hasten.base.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+from hasten.base.imports import is_compiled_module
 from hasten.base.modeling import extract_model_from_parallel
 from hasten.config import env as hasten_env
 from hasten.connector import build_parts, resolve_settings
@@ -414,7 +415,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
     # -------------------------------------------------------------------------------- utilities
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> nn.Module:
         """The user's module inside hasten's wrappers (DDP, torch.compile, mixed-precision forward)."""
-        compiled = model if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) else None
+        compiled = model if is_compiled_module(model) else None
         # then any DataParallel/DDP the user wrapped themselves (Accelerate unwraps those too)
         inner = extract_model_from_parallel(self._strategy.unwrap(model), keep_torch_compile=False)
         if not keep_fp32_wrapper:

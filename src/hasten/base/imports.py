@@ -13,11 +13,16 @@ import importlib.metadata
 import importlib.util
 import operator
 import socket
+import sys
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from packaging.version import Version
 
 from hasten._lazy import accelerate_path_getattr
+
+if TYPE_CHECKING:
+    from torch._dynamo.eval_frame import OptimizedModule
 
 _OPERATIONS = {"<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">=": operator.ge,
                ">": operator.gt}
@@ -379,14 +384,24 @@ def is_fp8_available() -> bool:
 
 
 # ---- objects --------------------------------------------------------------------------------------------
-def is_compiled_module(module) -> bool:
-    """Whether ``module`` was wrapped by ``torch.compile``."""
-    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+def is_compiled_module(module: Any) -> TypeGuard[OptimizedModule]:
+    """Whether ``module`` was wrapped by ``torch.compile``.
+
+    No compiled module exists before ``torch._dynamo`` is imported, so the answer is no without importing
+    it: that import alone costs about 2 CPU-seconds, in every process that asks.
+    """
+    if "torch._dynamo.eval_frame" not in sys.modules:
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
 
 
 def is_peft_model(model) -> bool:
     """Whether ``model`` is a PEFT model (without importing peft when it is not installed)."""
     if not is_peft_available():
+        return False
+    if "peft" not in sys.modules:  # no PeftModel exists before peft is imported (which imports transformers)
         return False
     from peft import PeftModel
 

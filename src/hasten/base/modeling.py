@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hasten._lazy import accelerate_path_getattr
-from hasten.base.imports import is_torchao_available
+from hasten.base.imports import is_compiled_module, is_torchao_available
 from hasten.exceptions import MissingDependencyError
 
 
@@ -118,7 +118,7 @@ def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True
         >>> plain = extract_model_from_parallel(accelerator.prepare(model))
     """
     compiled = None
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if is_compiled_module(model):
         compiled, model = model, model._orig_mod
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or \
             type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine"):
@@ -152,6 +152,8 @@ def get_module_children_bottom_up(model: nn.Module, return_fqns: bool = False) -
 
 def model_has_dtensor(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is a ``DTensor`` (sharded by FSDP2 or tensor parallelism)."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists before that import (seconds)
+        return False
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
@@ -159,6 +161,8 @@ def model_has_dtensor(model: nn.Module) -> bool:
 
 def get_model_tp_size(model: nn.Module) -> int:
     """The tensor-parallel degree of ``model``: the size of a ``"tp"`` mesh dimension of its DTensors, else 1."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists before that import (seconds)
+        return 1
     from torch.distributed.tensor import DTensor
 
     for parameter in model.parameters():
@@ -251,9 +255,9 @@ def compile_regions_fsdp2(module: nn.Module, **compile_kwargs: Any) -> None:
 
 def has_compiled_regions(module: nn.Module) -> bool:
     """Whether ``module`` has regionally compiled blocks (from :func:`compile_regions`)."""
-    if "_orig_mod" in module.__dict__ and not isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+    if "_orig_mod" in module.__dict__ and not is_compiled_module(module):
         return True
-    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in module.modules() if m is not module)
+    return any(is_compiled_module(m) for m in module.modules() if m is not module)
 
 
 def _has_layer(model: nn.Module, package: str, class_names: tuple[str, ...]) -> bool:

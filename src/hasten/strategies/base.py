@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hasten.base.dataclasses import DistributedType
+from hasten.base.imports import is_compiled_module
 from hasten.checkpointing import files as ckpt, restore_checks as checks
 from hasten.checkpointing.sealing import Sealer
 from hasten.environments import process_group
@@ -346,7 +347,7 @@ class SingleDeviceStrategy(Strategy):
 def unwrap_common(model: nn.Module) -> nn.Module:
     """Strip torch.compile's and DDP-like ``.module`` wrappers."""
     while True:
-        if hasattr(model, "_orig_mod") and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        if hasattr(model, "_orig_mod") and is_compiled_module(model):
             model = model._orig_mod
         elif isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
             model = model.module  # type: ignore[assignment]

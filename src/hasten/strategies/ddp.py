@@ -41,22 +41,31 @@ class DDPStrategy(Strategy):
         self._wrappers: list[weakref.ref[DistributedDataParallel]] = []
 
     def release(self) -> None:
-        """Strip the DDP wrappers' reducer, logger and process-group references, then collect them.
+        """Strip the DDP wrappers' reducer, logger and process-group references, so the reducers die now.
 
         Measured here: destroying a gloo group while a DDP reducer is still alive makes 20-40% of
         2-process runs abort at interpreter exit ("terminate called without an active exception");
         releasing the reducers first gave 0 aborts in 40 runs. The wrappers keep their ``module``, so
         ``unwrap_model`` and ``state_dict`` still work; they can no longer train.
+
+        A full ``gc.collect()`` runs only when something besides a wrapper still holds a reducer or its
+        logger (a reference cycle): otherwise dropping the last reference frees them at once. The collection
+        costs about 0.2 CPU-seconds per call once ``torch._dynamo`` is imported (DDP imports it), paid by
+        every rank of every run, and this method runs twice per ``end_training``.
         """
         base = set(vars(nn.Module()))
+        handles: list[weakref.ref[Any]] = []  # the reducers and loggers (both are weak-referenceable)
         for ref in self._wrappers:
             wrapper = ref()
             if wrapper is None:
                 continue
+            handles.extend(weakref.ref(vars(wrapper)[name]) for name in ("reducer", "logger")
+                           if vars(wrapper).get(name) is not None)
             for name in [k for k in vars(wrapper) if k not in base]:
                 delattr(wrapper, name)
         self._wrappers.clear()
-        gc.collect()
+        if any(handle() is not None for handle in handles):
+            gc.collect()  # something still holds one (a reference cycle): collect it before the group ends
 
     def is_wrapped(self, model: nn.Module) -> bool:
         return isinstance(model, DistributedDataParallel)
