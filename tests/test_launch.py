@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.launch
+# serial: wall-clock bounds and cluster daemons; `make test` runs these alone, after the parallel part
+pytestmark = [pytest.mark.launch, pytest.mark.serial]
 
 REPORT = """
 import json, os, sys

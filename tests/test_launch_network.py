@@ -8,7 +8,8 @@ import time
 import psutil
 import pytest
 
-pytestmark = pytest.mark.launch
+# serial: wall-clock bounds and cluster daemons; `make test` runs these alone, after the parallel part
+pytestmark = [pytest.mark.launch, pytest.mark.serial]
 
 WAIT_FOR_GO = """
 import os, sys, time

@@ -18,7 +18,8 @@ import pytest
 import hasten.testing
 from hasten.testing.netns import netns_unavailable, simulated_machines
 
-pytestmark = [pytest.mark.launch]
+# serial: wall-clock bounds and cluster daemons; `make test` runs these alone, after the parallel part
+pytestmark = [pytest.mark.launch, pytest.mark.serial]
 _WHY_NOT = netns_unavailable()
 needs_netns = pytest.mark.skipif(_WHY_NOT is not None, reason=f"simulated machines unavailable: {_WHY_NOT}")
 needs_nft = pytest.mark.skipif(shutil.which("nft") is None, reason="nftables (`nft`) is not installed: make system-deps")

@@ -22,7 +22,8 @@ from hasten.testing import run_on_ranks
 from hasten.testing.netns import netns_unavailable, simulated_machines
 from hasten.testing.slurm_cluster import slurm_cluster, slurm_unavailable
 
-pytestmark = [pytest.mark.launch]
+# serial: wall-clock bounds and cluster daemons; `make test` runs these alone, after the parallel part
+pytestmark = [pytest.mark.launch, pytest.mark.serial]
 _WHY_NOT = netns_unavailable() or slurm_unavailable()
 SCRIPTS = Path(hasten.testing.__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "regression_train.py")
