@@ -86,7 +86,7 @@ demo: $(STAMP)
 # The suite runs in two parts. Most files run on TEST_WORKERS pytest-xdist workers, a file per worker at a
 # time (`--dist loadfile`: module fixtures such as a built cluster stay in one process). The launch tests
 # leave a core idle while a launcher imports torch or a worker waits (a serial run of them used ~1.2 of the
-# 2 cores); on 2 workers the whole suite took 17m54s instead of ~24 min. The files marked `serial`
+# 2 cores); on 2 workers the whole suite took 17m54s instead of ~24 min. The tests marked `serial`
 # (wall-clock bounds such as "every machine stops within 10 s", the SLURM cluster's daemons) then run
 # alone, as they would on a quiet machine.
 TEST_WORKERS ?= 2

@@ -23,8 +23,7 @@ from hasten.checkpointing import checkpoints_root, newest_checkpoint
 from hasten.testing import run_on_ranks
 from hasten.testing.netns import netns_unavailable, simulated_machines
 
-# serial: wall-clock bounds and cluster daemons; `make test` runs these alone, after the parallel part
-pytestmark = [pytest.mark.launch, pytest.mark.serial]
+pytestmark = [pytest.mark.launch]
 _WHY_NOT = netns_unavailable()
 needs_netns = pytest.mark.skipif(_WHY_NOT is not None, reason=f"simulated machines unavailable: {_WHY_NOT}")
 

@@ -1,5 +1,6 @@
-"""Every ``examples/by_feature`` script runs on tiny settings, on one process (``python``) and on two
-(``hasten launch``), and prints what it demonstrates; the checks below are each feature's ground truth
+"""Every ``examples/by_feature`` script runs on tiny settings on two processes (``hasten launch``), and
+where its one-process path differs (fp16 loss scaling, DeepSpeed, big-model dispatch, the notebook
+launcher) on one (``python``) as well, and prints what it demonstrates; the checks below are each feature's ground truth
 (e.g. ``gather_for_metrics`` counts every held-out sample exactly once, the dispatched big model
 computes exactly what the ordinary model does, the simulated out-of-memory search ends at a batch that fits).
 """
@@ -34,6 +35,9 @@ def run_feature(script: str, *args: str, cwd: Path, processes: int = 1, launch_a
 
 
 PROCESSES = [1, pytest.param(2, marks=pytest.mark.launch)]
+# Scripts whose one-process run checks nothing that their two-process run and the unit tests do not (the
+# suite's time budget): they run under `hasten launch` only.
+TWO = [pytest.param(2, marks=pytest.mark.launch)]
 EPOCH_LINE = re.compile(r"^epoch \d+: accuracy [0-9.]+", re.MULTILINE)
 
 
@@ -54,7 +58,7 @@ def test_gradient_accumulation(tmp_path, processes):
     assert steps == -(-micro // 4)  # one step per 4 micro-batches, plus one at the end of the epoch
 
 
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", TWO)
 def test_checkpointing(tmp_path, processes):
     first = run_feature("checkpointing.py", "--project_dir", "run", "--num_epochs", "2", cwd=tmp_path,
                         processes=processes)
@@ -69,7 +73,7 @@ def test_checkpointing(tmp_path, processes):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["checkpoint_1", "checkpoint_2"]
 
 
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", TWO)
 def test_tracking(tmp_path, processes):
     out = run_feature("tracking.py", "--report_to", "jsonl", "--project_dir", "logs", "--num_epochs", "1",
                       cwd=tmp_path, processes=processes)
@@ -79,7 +83,7 @@ def test_tracking(tmp_path, processes):
     assert (tmp_path / "logs" / "tracking_example" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", TWO)
 def test_memory(tmp_path, processes):
     out = run_feature("memory.py", "--num_epochs", "1", "--starting_batch_size", "128", "--simulated_memory", "100",
                       cwd=tmp_path, processes=processes)
@@ -88,7 +92,7 @@ def test_memory(tmp_path, processes):
     assert "with batch size 92" in out
 
 
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", TWO)
 def test_multi_process_metrics(tmp_path, processes):
     out = run_feature("multi_process_metrics.py", "--num_epochs", "1", cwd=tmp_path, processes=processes)
     counted, gathered, size = map(int, re.search(r"over (\d+) samples \(gather alone returned (\d+); the data set "
@@ -97,13 +101,13 @@ def test_multi_process_metrics(tmp_path, processes):
     assert gathered == (359 if processes == 1 else 384)  # plain gather keeps the repeated padding samples
 
 
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", TWO)
 def test_early_stopping(tmp_path, processes):
     out = run_feature("early_stopping.py", "--loss_threshold", "0.5", cwd=tmp_path, processes=processes)
     assert re.search(r"stopped early at step \d+ \(epoch 0\): accuracy [0-9.]+", out), out
 
 
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", TWO)
 def test_local_sgd(tmp_path, processes):
     # The two-process run starts from the multi-CPU configuration template.
     launch = ("--config_file", str(TEMPLATES / "multi_cpu.yaml")) if processes == 2 else ()
@@ -112,7 +116,7 @@ def test_local_sgd(tmp_path, processes):
     assert len(EPOCH_LINE.findall(out)) == 1, out
 
 
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", TWO)
 def test_profiler(tmp_path, processes):
     out = run_feature("profiler.py", "--num_steps", "6", "--output_trace_dir", "traces", cwd=tmp_path,
                       processes=processes)
@@ -120,7 +124,7 @@ def test_profiler(tmp_path, processes):
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [f"profile_{i}.json" for i in range(processes)]
 
 
-@pytest.mark.parametrize("processes", PROCESSES)
+@pytest.mark.parametrize("processes", TWO)
 def test_fsdp2(tmp_path, processes):
     out = run_feature("fsdp2.py", "--num_epochs", "1", "--output_dir", "model", cwd=tmp_path, processes=processes)
     assert re.search(rf"^epoch 0: accuracy [0-9.]+ \(FSDP, {processes} process\(es\)\)", out, re.MULTILINE), out

