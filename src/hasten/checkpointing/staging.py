@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -160,12 +160,12 @@ class StagingBuffers:
             torch.cuda.current_stream(device).synchronize()
         self._devices.clear()
         self._staged = {}
-        self._drop(self._free)
+        self._drop(self._free_pairs())
         self._free = {}
 
     def release(self) -> None:
         """Free every buffer (call it when no save is in flight)."""
-        self._drop(self._free)
+        self._drop(self._free_pairs())
         # a list, not a dict by key: several buffers in use share a size, and each one's location tag must go
         # (a stale tag would label an unrelated pinned tensor at a reused address "cuda:N" in torch.save)
         self._drop(self._used)
@@ -197,14 +197,15 @@ class StagingBuffers:
         self._staged[ident] = (source, buffer)
         return buffer
 
+    def _free_pairs(self) -> list[tuple[_Key, torch.UntypedStorage]]:
+        return [(key, storage) for key, storages in self._free.items() for storage in storages]
+
     @staticmethod
-    def _drop(buffers: dict[_Key, list[torch.UntypedStorage]] | list[tuple[_Key, torch.UntypedStorage]]) -> None:
-        pairs = ([(key, s) for key, storages in buffers.items() for s in storages] if isinstance(buffers, dict)
-                 else buffers)
+    def _drop(buffers: Iterable[tuple[_Key, torch.UntypedStorage]]) -> None:
+        """Forget the location tags of these buffers (their memory goes when the last reference does)."""
         with _LOCATIONS_LOCK:
-            for (_, pinned), storage in pairs:
+            for (_, pinned), storage in buffers:
                 if pinned:
                     _LOCATIONS.pop(storage.data_ptr(), None)
-
 
 __all__ = ["StagingBuffers"]
