@@ -54,6 +54,18 @@ def _step(accelerator, model, optimizer, scheduler, batch) -> None:
     optimizer.zero_grad()
 
 
+def _async_save_failing(accelerator, folder: Path, fail) -> pytest.ExceptionInfo[CheckpointError]:
+    """An async save into ``folder`` with the stage hook ``fail``; the error wait_for_checkpoint raises."""
+    SAVE_STAGE_HOOKS.append(fail)
+    try:
+        accelerator.save_state(folder, async_save=True)
+        with pytest.raises(CheckpointError) as caught:
+            accelerator.wait_for_checkpoint()
+    finally:
+        SAVE_STAGE_HOOKS.clear()
+    return caught
+
+
 def _files(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -150,13 +162,7 @@ def _failing_background(root: str) -> tuple[str, str, bool]:
             raise OSError(28, "No space left on device", str(path))
 
     _step(accelerator, model, optimizer, scheduler, next(iter(loader)))
-    SAVE_STAGE_HOOKS.append(fail)
-    try:
-        accelerator.save_state(Path(root) / "ck", async_save=True)
-        with pytest.raises(CheckpointError) as caught:
-            accelerator.wait_for_checkpoint()
-    finally:
-        SAVE_STAGE_HOOKS.clear()
+    caught = _async_save_failing(accelerator, Path(root) / "ck", fail)
     intact = _files(Path(root) / "ck") == before
     accelerator.save_state(Path(root) / "ck", async_save=True)  # the next one works and replaces it
     accelerator.wait_for_checkpoint()
@@ -293,13 +299,7 @@ def _fsdp2_async(root: str) -> dict:
         if stage == "async_written" and rank == 1 and path.name == "pytorch_model_fsdp_0":
             raise OSError(28, "No space left on device", str(path))
 
-    SAVE_STAGE_HOOKS.append(fail)
-    try:
-        accelerator.save_state(Path(root) / "async", async_save=True)
-        with pytest.raises(CheckpointError) as caught:
-            accelerator.wait_for_checkpoint()
-    finally:
-        SAVE_STAGE_HOOKS.clear()
+    caught = _async_save_failing(accelerator, Path(root) / "async", fail)
     kept = _files(Path(root) / "async")
     kept.pop("hasten_checkpoint.json")
     step()
