@@ -193,6 +193,41 @@ def test_signal_names_and_refusals():
         preemption.signal_number("NOPE")
 
 
+# Run in a child process (a deadlock must not hang the suite): arm the handler, then re-enter it at every call
+# and return inside its first run, which is what a second signal arriving mid-handler does. Under SLURM the
+# worker gets the signal twice (slurmstepd signals every process of the step and the launcher forwards it);
+# a handler that took a lock (threading.Event.set) deadlocked the main thread there.
+_REENTER = """
+import signal, sys
+from hasten.environments import preemption
+preemption.arm(store=None, rank=0, world=1, signal_name="USR1", env={}, stop_action=None, marker_dir=None)
+tried = set()
+def again_inside(frame, event, arg):
+    depth, f = 0, frame
+    while f is not None:
+        depth += f.f_code is preemption._on_signal.__code__
+        f = f.f_back
+    where = (event, frame.f_code.co_name, getattr(arg, "__name__", None))
+    if depth == 1 and where not in tried:
+        tried.add(where)
+        signal.raise_signal(signal.SIGUSR1)
+sys.setprofile(again_inside)
+signal.raise_signal(signal.SIGUSR1)
+sys.setprofile(None)
+print(len(tried), preemption.PREEMPTION.signalled, preemption.PREEMPTION.signal_name)
+"""
+
+
+def test_a_signal_arriving_inside_the_handler_does_not_deadlock():
+    try:
+        done = subprocess.run([sys.executable, "-c", _REENTER], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the preemption signal handler deadlocked when a second signal arrived inside it")
+    assert done.returncode == 0, done.stderr
+    tried, signalled, name = done.stdout.split()
+    assert int(tried) >= 2 and signalled == "True" and name == "SIGUSR1", done.stdout
+
+
 class _Done:
     def __init__(self, code=0, out="", err=""):
         self.returncode, self.stdout, self.stderr = code, out, err

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -65,7 +66,7 @@ class _Preemption:
         self.stop_step: int | None = None
         self.signal_name: str | None = None
         self.signal_time: float | None = None  # time.time() when this rank got the signal or learned of it
-        self.local = threading.Event()  # set by the signal handler
+        self.signalled = False  # set by the signal handler (with a byte to the wake-up pipe, never a lock)
         self.decided = threading.Event()  # set by the watcher once stop_step is known
         self.stop_action: Callable[[], Any] | None = None
         self.end_group: Callable[[], None] | None = None
@@ -154,7 +155,7 @@ class _Watcher(threading.Thread):
         state = PREEMPTION
         try:
             while not self.stopped.is_set():
-                if state.local.wait(POLL_SECONDS):
+                if _wait_for_signal(state, POLL_SECONDS):
                     if self.store is not None:
                         self.store.set(f"{self.prefix}/request", f"{self.rank} {state.signal_name}")
                     break
@@ -186,13 +187,46 @@ class _Watcher(threading.Thread):
 _RUNNING: dict[str, Any] = {"watcher": None, "handled": None}
 
 
+_WAKE: dict[str, Any] = {"pid": None, "fds": (-1, -1)}
+
+
+def _wake_pipe() -> tuple[int, int]:
+    """This process's wake-up pipe (read, write), both non-blocking; made again in a forked child."""
+    if _WAKE["pid"] != os.getpid():  # a forked rank must not share its parent's (or siblings') pipe
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        _WAKE.update(pid=os.getpid(), fds=(read, write))
+    return _WAKE["fds"]
+
+
+def _wait_for_signal(state: _Preemption, timeout: float) -> bool:
+    """Block the watcher until the handler ran or ``timeout`` passed; True once signalled."""
+    if not state.signalled:
+        read = _wake_pipe()[0]
+        select.select([read], [], [], timeout)
+        try:
+            while os.read(read, 64):
+                pass
+        except BlockingIOError:
+            pass
+    return state.signalled
+
+
 def _on_signal(signum: int, frame: Any) -> None:
-    # Only records: the watcher thread does the rest (a handler must not touch the store or the group).
+    # Only records, and takes no lock: the handler runs on the main thread between two bytecodes and can
+    # run again inside itself (under SLURM the launcher and the worker both get the signal and the launcher
+    # forwards it, so the worker gets it twice). threading.Event.set() takes a lock, and a second signal
+    # inside it deadlocked the main thread. The watcher thread does the rest (store, group).
     state = PREEMPTION
     if state.signal_time is None:
         state.signal_time = time.time()
         state.signal_name = signal.Signals(signum).name
-    state.local.set()
+    state.signalled = True
+    try:
+        os.write(_WAKE["fds"][1], b"!")
+    except OSError:  # pipe full (the watcher is already awake) or not made: the flag is set either way
+        pass
 
 
 def signal_number(name: str | None) -> signal.Signals:
@@ -232,6 +266,7 @@ def arm(*, store: Any, rank: int, world: int, signal_name: str | None, env: Mapp
     if threading.current_thread() is not threading.main_thread():
         return False  # signal handlers can only be installed from the main thread
     sig = signal_number(signal_name)
+    _wake_pipe()  # before the handler can run: it only writes to the pipe
     _RUNNING["handled"] = (sig, signal.signal(sig, _on_signal))
     generation = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     watcher = _Watcher(store, rank, world, generation)
