@@ -8,6 +8,7 @@ local port, and MLflow uses a local ``file:`` store, so nothing here needs (or t
 import glob
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -74,6 +75,8 @@ def wandb_records(run_dir):
             pos += left
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST chunk of a record
@@ -85,8 +88,16 @@ def wandb_records(run_dir):
 def wandb_history_and_config(tmp_path):
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*"))
     assert len(runs) == 1, runs  # one run: only the main process started one
+    # run.finish() can return before wandb's writer has put the last records on disk (seen once in a loaded
+    # suite: no history yet, then all of it a moment later): read once the log holds its closing `exit` record.
+    deadline = time.monotonic() + 30
+    records = wandb_records(runs[0])
+    while not any(r.WhichOneof("record_type") == "exit" for r in records):
+        assert time.monotonic() < deadline, "wandb's transaction log has no exit record 30 s after finish()"
+        time.sleep(0.05)
+        records = wandb_records(runs[0])
     history, config = [], {}
-    for record in wandb_records(runs[0]):
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "history":
             items = {"/".join(item.nested_key) or item.key: item.value_json for item in record.history.item}
