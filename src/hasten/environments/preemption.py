@@ -204,7 +204,9 @@ def _wait_for_signal(state: _Preemption, timeout: float) -> bool:
     """Block the watcher until the handler ran or ``timeout`` passed; True once signalled."""
     if not state.signalled:
         read = _wake_pipe()[0]
-        select.select([read], [], [], timeout)
+        waiter = select.poll()  # not select.select(): it refuses descriptors above 1023 (busy processes have them)
+        waiter.register(read, select.POLLIN)
+        waiter.poll(timeout * 1000)
         try:
             while os.read(read, 64):
                 pass
