@@ -2,7 +2,7 @@
 
 The protocol (no store round trip or collective on a normal step):
 
-1. A signal handler in each worker only records the time and sets an event (``SIGTERM`` by default,
+1. A signal handler in each worker only records the time and raises a flag, without a lock (``SIGTERM`` by default,
    ``hasten launch --preemption_signal USR1`` for SLURM's ``--signal=USR1@90``).
 2. A daemon *watcher* thread per rank, with its own handle on the run's store, publishes the request
    (``hasten_preempt/<restart>/request``; the elastic restart count in the key, so a restarted worker
