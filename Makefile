@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck clean install system-deps bench bench-full tracker-venv hf-venv
+.PHONY: demo test lint typecheck clean install system-deps bench bench-full tracker-venv hf-venv deepspeed-ops deepspeed-ops-background
 
 install: $(STAMP)
 
@@ -18,10 +18,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 setuptools wheel
 	$(PY) -m pip install --quiet --no-build-isolation deepspeed==0.19.8
-	if [ -n "$(BUILD_DEEPSPEED_OPS)" ]; then mkdir -p .tmp; \
-	  setsid $(PY) tools/build_deepspeed_ops.py > .tmp/build_deepspeed_ops.log 2>&1 < /dev/null & fi
+	if [ -n "$(BUILD_DEEPSPEED_OPS)" ]; then $(MAKE) --no-print-directory deepspeed-ops-background; fi
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# DeepSpeed's CPU extensions, built once per venv. `deepspeed-ops-background` starts the build unless it is done
+# ($(DS_OPS) exists) or already running (its pid in .tmp); `deepspeed-ops` waits for it (torch's lock file makes a
+# second build of the same extension wait for the first, then load it) or builds in the foreground. `make test`
+# starts it early and waits before pytest, so after `make demo` (which left the stamp and no build) no test
+# compiles an extension inside its own time bound.
+DS_OPS := $(VENV)/.deepspeed-ops
+DS_OPS_PID := .tmp/build_deepspeed_ops.pid
+deepspeed-ops-background:
+	@if [ ! -f $(DS_OPS) ] && ! { [ -f $(DS_OPS_PID) ] && kill -0 "$$(cat $(DS_OPS_PID))" 2>/dev/null; }; then \
+	  mkdir -p .tmp; setsid $(PY) tools/build_deepspeed_ops.py --marker $(DS_OPS) \
+	    > .tmp/build_deepspeed_ops.log 2>&1 < /dev/null & echo $$! > $(DS_OPS_PID); fi
+
+deepspeed-ops: $(STAMP)
+	@[ -f $(DS_OPS) ] || $(PY) tools/build_deepspeed_ops.py --marker $(DS_OPS)
 
 # OS packages some launch tests need (OpenMPI for mpirun; SLURM + munge for the 2-node cluster; iproute2
 # for the network-namespace machines). Best effort, root with apt-get only: the tests skip, naming what
@@ -100,7 +114,9 @@ TEST_ENV = HASTEN_TRACKER_PYTHON=$(CURDIR)/$(TRACKER_PY) HASTEN_HF_PYTHON=$(CURD
 
 test: system-deps
 	$(MAKE) --no-print-directory $(STAMP) BUILD_DEEPSPEED_OPS=1
+	$(MAKE) --no-print-directory deepspeed-ops-background
 	$(MAKE) --no-print-directory -j3 $(TRACKER_STAMP) $(HF_STAMP) typecheck
+	$(MAKE) --no-print-directory deepspeed-ops
 	mkdir -p .tmp
 	$(PY) -m compileall -q src >/dev/null
 	$(TEST_ENV) $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial" --basetemp=$(CURDIR)/.tmp/pytest \

@@ -8,10 +8,15 @@ one core is mostly idle. The builds go to torch's extension cache (``TORCH_EXTEN
 ``~/.cache/torch_extensions``), where the tests find them; a test that starts while a build is still
 running waits for it on torch's lock file. Best effort: any failure is printed and the tests build the
 extensions themselves, as before.
+
+``--marker PATH`` writes PATH once every extension is ready (or is one DeepSpeed would not build here), so
+``make test`` knows the build is done for this venv; ``make deepspeed-ops`` runs this script in the foreground
+before the tests, where it waits on torch's lock for a build still running in the background, then loads it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -23,7 +28,10 @@ def _compatible(name: str) -> bool:
     return bool(deepspeed.ops.__compatible_ops__.get(name, False))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--marker", help="file written once every extension is ready")
+    args = parser.parse_args(argv)
     os.environ["DS_ACCELERATOR"] = "cpu"  # what hasten's import_deepspeed("cpu") selects in the tests
     started = time.monotonic()
     try:
@@ -31,6 +39,7 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - best effort: report and leave the build to the tests
         print(f"build_deepspeed_ops: deepspeed unavailable ({exc}); nothing built", flush=True)
         return 0
+    all_ready = True
     for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
         try:
             builder = get_accelerator().create_op_builder(name)
@@ -39,8 +48,12 @@ def main() -> int:
             builder.load(verbose=False)
             print(f"build_deepspeed_ops: {name} ready after {time.monotonic() - started:.1f} s", flush=True)
         except Exception as exc:  # noqa: BLE001
+            all_ready = False
             print(f"build_deepspeed_ops: {name} failed ({type(exc).__name__}: {exc}); the tests will build it",
                   file=sys.stderr, flush=True)
+    if all_ready and args.marker:
+        with open(args.marker, "w") as marker:
+            marker.write(f"built in {time.monotonic() - started:.1f} s\n")
     return 0
 
 
