@@ -119,3 +119,55 @@ def test_debug_launcher_installs_it_in_every_rank(tmp_path):
         print("parent-untouched", "accelerate" not in sys.modules)
         """, tmp_path)
     assert "parent-untouched True" in out
+
+
+def test_a_folder_named_accelerate_does_not_stop_the_alias(tmp_path):
+    # ./accelerate/fsdp.yaml (a config folder) imports as an empty namespace package: not Accelerate.
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "fsdp.yaml").write_text("distributed_type: FSDP\n")
+    out = _python("""
+        import sys, hasten
+        from hasten._accelerate_alias import install_unless_real_accelerate, real_accelerate_installed
+        print("real", real_accelerate_installed())
+        print("installed", install_unless_real_accelerate())
+        import accelerate
+        print("hasten", accelerate.Accelerator is hasten.Accelerator)
+        hasten.uninstall_as_accelerate()
+        import accelerate  # the folder again, imported before install_as_accelerate: hasten takes the name
+        print("namespace", accelerate.__spec__.origin)
+        hasten.install_as_accelerate()
+        import accelerate.utils
+        print("hasten-after", accelerate.utils is hasten.utils)
+        """, tmp_path)
+    assert out.split("\n")[:5] == ["real False", "installed True", "hasten True", "namespace None",
+                                   "hasten-after True"]
+
+
+def test_a_regular_package_named_accelerate_is_still_respected(tmp_path):
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "__init__.py").write_text("MINE = True\n")
+    out = _python("""
+        from hasten._accelerate_alias import install_unless_real_accelerate
+        print(install_unless_real_accelerate())
+        import accelerate
+        print(accelerate.MINE)
+        """, tmp_path)
+    assert out.split() == ["False", "True"]
+
+
+@pytest.mark.launch
+def test_hasten_launch_workers_get_the_alias_beside_an_accelerate_folder(tmp_path):
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "fsdp.yaml").write_text("distributed_type: FSDP\n")
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import accelerate, hasten
+        from accelerate import PartialState
+        assert accelerate.utils is hasten.utils, accelerate
+        print("rank", PartialState().process_index, "alias", accelerate.__version__)
+        """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), HASTEN_HOME=str(tmp_path / "home"))
+    out = subprocess.run([sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes", "2",
+                          "train.py"], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 alias 1.15.0", "rank 1 alias 1.15.0"]

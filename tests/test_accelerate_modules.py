@@ -118,6 +118,38 @@ def test_table_covers_modules_and_constants():
     assert MODULES["accelerate.utils.dataclasses"]["DistributedType"]["members"]["MULTI_CPU"] == "MULTI_CPU"
 
 
+def _accelerate_path_modules() -> list[str]:
+    """Every hasten module at one of Accelerate's paths: the inventory's and the path table's."""
+    from hasten._accelerate_paths import PATHS
+
+    return sorted({hasten_path(m) for m in MODULES} | set(PATHS))
+
+
+@pytest.mark.parametrize("module_name", _accelerate_path_modules())
+def test_a_missing_name_is_an_attribute_error(module_name):
+    # Other libraries detect features with hasattr() / getattr(module, name, default): a module __getattr__
+    # that raises anything but AttributeError (ModuleNotFoundError from a submodule probe, say) breaks them.
+    module = importlib.import_module(module_name)
+    assert hasattr(module, "no_such_name") is False
+    assert getattr(module, "no_such_name", 7) == 7
+    with pytest.raises(AttributeError, match="no_such_name"):
+        module.no_such_name  # noqa: B018
+
+
+def test_distributed_type_tpu_is_the_deprecated_name_of_xla():
+    from hasten.utils import DistributedType
+
+    with pytest.warns(FutureWarning, match="DistributedType.TPU is deprecated.*DistributedType.XLA"):
+        assert DistributedType.TPU is DistributedType.XLA
+    with pytest.warns(FutureWarning):
+        assert DistributedType["TPU"] is DistributedType.XLA
+    # Accelerate 1.x's members, unchanged: the old name is not a member of its own
+    assert "TPU" not in DistributedType.__members__ and "TPU" not in [m.name for m in DistributedType]
+    assert DistributedType("XLA") is DistributedType.XLA
+    with pytest.raises(AttributeError):
+        DistributedType.NO_SUCH_MEMBER  # noqa: B018
+
+
 if __name__ == "__main__":  # a summary: every module and name that does not match yet
     for name in sorted(MODULES):
         for problem in module_problems(name):

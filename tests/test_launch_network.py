@@ -1,6 +1,9 @@
 """A single-machine ``hasten launch`` listens on loopback only (launcher's rendezvous store and workers)."""
 
+import json
 import os
+import re
+import select
 import subprocess
 import sys
 import time
@@ -100,12 +103,79 @@ def test_notebook_launcher_listens_on_loopback_only(tmp_path, backend):
     assert {ip for _, ip, _ in sockets} == {"127.0.0.1"}, sockets
 
 
+MPI_JOB = """
+import json, os, sys
+from hasten import PartialState
+state = PartialState()
+state.wait_for_everyone()  # every listener of the process group exists now
+if state.process_index == 0:
+    contacts = {k: v for k, v in os.environ.items() if k in ("OMPI_MCA_orte_hnp_uri", "OMPI_MCA_orte_local_daemon_uri")
+                or k.startswith("PMIX_SERVER_URI")}
+    with open(sys.argv[1], "w") as ready:  # a FIFO the test reads while the run is alive
+        ready.write(json.dumps({"pid": os.getpid(), "contacts": contacts}) + "\\n")
+    with open(sys.argv[2]) as go:  # the test writes a line once it has listed the sockets
+        go.readline()
+state.wait_for_everyone()
+"""
+
+
+def _read_line(fd, launcher, seconds):
+    """One line from the non-blocking FIFO ``fd``, waiting on it (select) while the launcher runs."""
+    data, deadline = b"", time.monotonic() + seconds
+    while not data.endswith(b"\n"):
+        assert launcher.poll() is None, launcher.communicate()[0]
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, "the job never wrote its line"
+        if select.select([fd], [], [], min(remaining, 1.0))[0]:
+            chunk = os.read(fd, 65536)
+            assert chunk, "the job closed the FIFO without a line"
+            data += chunk
+    return json.loads(data)
+
+
+def _addresses(uri):
+    """The host addresses of an Open MPI / PMIx contact URI (``jobid;tcp://1.2.3.4:5;tcp6://[::1]:6``)."""
+    return [v6 or v4 for v6, v4 in re.findall(r"//(?:\[([^\]]+)\]|([^:/;\[]+)):\d+", uri)]
+
+
 @pytest.mark.skipif(__import__("shutil").which("mpirun") is None, reason="mpirun not installed")
-def test_single_machine_mpirun_listens_on_loopback_only(tmp_path):
-    sockets = _sockets_of_a_running_pair(tmp_path, [
-        sys.executable, "-m", "hasten.commands.main", "launch", "--use_mpi", "--cpu", "--num_processes", "2",
-        str(tmp_path / "wait.py"), str(tmp_path)])
-    # The process group's store (rank 0) and each rank's gloo listener; mpirun's own daemons are MPI's.
-    workers = [s for s in sockets if "hasten.launchers.worker" in s[0] and "mpi" not in s[0].split()[0]]
-    assert len(workers) >= 3, sockets
-    assert {ip for _, ip, _ in workers} == {"127.0.0.1"}, sockets
+def test_single_machine_mpirun_keeps_mpi_on_loopback(tmp_path):
+    script, ready, go = tmp_path / "job.py", tmp_path / "ready", tmp_path / "go"
+    script.write_text(MPI_JOB)
+    os.mkfifo(ready)
+    os.mkfifo(go)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HASTEN_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path),
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for name in [k for k in env if k == "GLOO_SOCKET_IFNAME" or k.startswith("OMPI_MCA_")]:
+        del env[name]  # the launcher chooses the interfaces itself
+    ready_fd = os.open(ready, os.O_RDONLY | os.O_NONBLOCK)
+    go_fd = os.open(go, os.O_RDWR)  # never blocks; rank 0 reads its line from it
+    launcher = subprocess.Popen([sys.executable, "-m", "hasten.commands.main", "launch", "--use_mpi", "--cpu",
+                                 "--num_processes", "2", str(script), str(ready), str(go)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        job = _read_line(ready_fd, launcher, 120)
+        tree = {p.pid: p.cmdline() for p in [psutil.Process(launcher.pid),
+                                             *psutil.Process(launcher.pid).children(recursive=True)]}
+        sockets = [(pid, ip, port) for pid, ip, port in _listening(set(tree))]
+        os.write(go_fd, b"go\n")
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        os.close(ready_fd)
+        os.close(go_fd)
+    assert launcher.returncode == 0, out
+    # mpirun tells every process to reach it (its out-of-band channel and PMIx server) on loopback only
+    contacts = job["contacts"]
+    assert "OMPI_MCA_orte_hnp_uri" in contacts or "PMIX_SERVER_URI41" in contacts, contacts
+    assert {a for uri in contacts.values() for a in _addresses(uri)} == {"127.0.0.1"}, contacts
+    mpi = [s for s in sockets if os.path.basename(tree[s[0]][0]) in ("mpirun", "mpiexec", "orterun", "prterun")]
+    # hasten's listeners (rank 0's store, each rank's gloo connections): loopback
+    hasten = [s for s in sockets if s not in mpi]
+    assert len(hasten) >= 3 and {ip for _, ip, _ in hasten} == {"127.0.0.1"}, sockets
+    # mpirun's own: loopback, except its out-of-band listeners, which Open MPI 4 and 5 bind to the wildcard
+    # address whatever the settings (oob_tcp_listener.c); no process is told to connect to them but on loopback
+    wildcard = [(ip, port) for _, ip, port in mpi if ip in ("0.0.0.0", "::")]
+    advertised = {int(port) for uri in contacts.values() for port in re.findall(r":(\d+)(?:;|$)", uri)}
+    assert {ip for _, ip, _ in mpi} <= {"127.0.0.1", "0.0.0.0", "::"}, sockets
+    assert len(wildcard) <= 2 and all(port in advertised for ip, port in wildcard if ip == "0.0.0.0"), sockets

@@ -119,6 +119,18 @@ def test_mpirun_commands():
     assert cmd[cmd.index("-ppn") + 1] == "2" and cmd[cmd.index("-genvlist") + 1] == "A,B"
 
 
+def test_single_machine_openmpi_stays_on_loopback():
+    def mca(cmd):
+        return {cmd[i + 1]: cmd[i + 2] for i, part in enumerate(cmd) if part == "--mca"}
+
+    assert mca(mpirun_command("mpirun", "openmpi", ["python", "t.py"], 2, 2, None, [], {})) == {
+        "oob_tcp_if_include": "lo", "btl": "^tcp"}
+    # the user's own Open MPI settings win; a run over a hostfile needs the network
+    assert mca(mpirun_command("mpirun", "openmpi", ["python", "t.py"], 2, 2, None, [],
+                              {"OMPI_MCA_btl": "self,tcp"})) == {"oob_tcp_if_include": "lo"}
+    assert mca(mpirun_command("mpirun", "openmpi", ["python", "t.py"], 4, 2, "hosts", [], {})) == {}
+
+
 def test_dry_run_prints_the_plan(script, capsys):
     assert main(["launch", "--dry_run", "--cpu", "--num_processes", "2", "--main_process_port", "0", script]) == 0
     out = capsys.readouterr().out

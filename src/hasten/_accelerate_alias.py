@@ -114,9 +114,33 @@ def _installed_finder() -> AccelerateAliasFinder | None:
     return next((f for f in sys.meta_path if isinstance(f, AccelerateAliasFinder)), None)
 
 
+def _is_namespace_package(spec: importlib.machinery.ModuleSpec | None) -> bool:
+    """Whether ``spec`` is a namespace package: a folder without ``__init__.py`` (``./accelerate/`` holding
+    config files, say). Accelerate is a regular package, so such a folder is never the real one."""
+    return (spec is not None and spec.origin is None and spec.submodule_search_locations is not None
+            and not isinstance(spec.loader, _TopLevelLoader))
+
+
 def real_accelerate_installed() -> bool:
-    """Whether the real Accelerate package is importable from ``sys.path`` (ignoring hasten's alias)."""
-    return importlib.machinery.PathFinder.find_spec(_ALIAS) is not None
+    """Whether the real Accelerate package is importable from ``sys.path`` (ignoring hasten's alias).
+
+    A folder named ``accelerate`` without ``__init__.py`` on the path (the working directory, say) does not
+    count: it would import as an empty namespace package, and the path finder returns one only when no
+    regular package of that name is anywhere on ``sys.path``.
+    """
+    spec = importlib.machinery.PathFinder.find_spec(_ALIAS)
+    return spec is not None and not _is_namespace_package(spec)
+
+
+def _imported_namespace_package() -> bool:
+    """Whether ``accelerate`` was imported as a namespace package (a folder of that name, not Accelerate)."""
+    module = sys.modules.get(_ALIAS)
+    return module is not None and _is_namespace_package(getattr(module, "__spec__", None))
+
+
+def _forget_accelerate_modules() -> None:
+    for name in [n for n in sys.modules if n == _ALIAS or n.startswith(_ALIAS + ".")]:
+        del sys.modules[name]
 
 
 def install_as_accelerate() -> None:
@@ -125,7 +149,8 @@ def install_as_accelerate() -> None:
     Afterwards ``accelerate.utils is hasten.utils``, ``accelerate.__version__`` and
     ``importlib.metadata.version("accelerate")`` are the Accelerate version hasten mirrors, and a name
     hasten lacks fails as a missing name in Accelerate does (``ImportError`` / ``AttributeError``).
-    Calling it again does nothing. Undo it with ``hasten.uninstall_as_accelerate()``.
+    Calling it again does nothing. Undo it with ``hasten.uninstall_as_accelerate()``. A folder named
+    ``accelerate`` that is not a package (``./accelerate/fsdp.yaml``), even one imported already, gives way.
 
     Raises:
         ImportError: the real ``accelerate`` is already imported in this process; its modules and hasten's
@@ -138,6 +163,8 @@ def install_as_accelerate() -> None:
     """
     if _installed_finder() is not None:
         return
+    if _imported_namespace_package():  # a folder named accelerate, imported before: hasten takes the name
+        _forget_accelerate_modules()
     imported = sys.modules.get(_ALIAS)
     if imported is not None:
         raise ImportError(
@@ -162,19 +189,19 @@ def uninstall_as_accelerate() -> None:
     if finder is None:
         return
     sys.meta_path.remove(finder)
-    for name in [n for n in sys.modules if n == _ALIAS or n.startswith(_ALIAS + ".")]:
-        del sys.modules[name]
+    _forget_accelerate_modules()
     importlib.invalidate_caches()
 
 
 def install_unless_real_accelerate() -> bool:
     """What launchers run in each worker: install the alias when the real Accelerate is not installed.
 
-    Returns whether the alias is installed afterwards. A process that has the real package keeps it.
+    Returns whether the alias is installed afterwards. A process that has the real package keeps it; a
+    folder named ``accelerate`` that is not a package (``./accelerate/fsdp.yaml``) does not stop it.
     """
     if _installed_finder() is not None:
         return True
-    if real_accelerate_installed() or _ALIAS in sys.modules:
+    if real_accelerate_installed() or (_ALIAS in sys.modules and not _imported_namespace_package()):
         return False
     install_as_accelerate()
     return True

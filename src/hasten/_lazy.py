@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +25,7 @@ def lazy_getattr(package: str, exports: Mapping[str, str], namespace: dict[str, 
         if module is None:
             # A submodule is an attribute of its package once imported; Accelerate's eager ``__init__``
             # imports them all, so ``accelerate.utils.modeling`` works without an import: so does hasten's.
-            if not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            if not name.startswith("__") and _is_submodule(package, name):
                 return importlib.import_module(f"{package}.{name}")
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
@@ -32,6 +33,18 @@ def lazy_getattr(package: str, exports: Mapping[str, str], namespace: dict[str, 
         return value
 
     return __getattr__
+
+
+def _is_submodule(package: str, name: str) -> bool:
+    """Whether ``package.name`` is an importable submodule. Only a package has submodules: asking
+    ``find_spec`` below a plain module raises ``ModuleNotFoundError``, and a module ``__getattr__`` must
+    answer ``AttributeError`` (``hasattr`` and ``getattr(m, name, default)`` rely on it)."""
+    if not hasattr(sys.modules.get(package), "__path__"):
+        return False
+    try:
+        return importlib.util.find_spec(f"{package}.{name}") is not None
+    except ImportError:  # a broken or refused submodule: not an attribute either
+        return False
 
 
 def accelerate_path_getattr(package: str, namespace: dict[str, Any]) -> Callable[[str], Any]:

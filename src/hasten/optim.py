@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from hasten.base.dataclasses import DistributedType
 from hasten.environments.preemption import PREEMPTION as _PREEMPTION
@@ -97,6 +98,43 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.state_dict()
+
+    # torch's hook registration: the wrapped optimizer runs them (its ``step``, ``state_dict`` and
+    # ``load_state_dict`` are what this wrapper calls), so they are registered there. Memory trackers and
+    # profilers (torch.distributed._tools) register step hooks on the optimizer they are handed.
+    def register_step_pre_hook(self, hook: Any) -> RemovableHandle:
+        """Run ``hook(optimizer, args, kwargs)`` before each real step of the wrapped optimizer (not on
+        accumulation micro-steps, nor on fp16 steps skipped for overflow). Returns a handle whose
+        ``remove()`` unregisters it."""
+        return self._wrapped_hook_registration("register_step_pre_hook")(hook)
+
+    def register_step_post_hook(self, hook: Any) -> RemovableHandle:
+        """Run ``hook(optimizer, args, kwargs)`` after each real step of the wrapped optimizer."""
+        return self._wrapped_hook_registration("register_step_post_hook")(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> RemovableHandle:
+        """Run ``hook(optimizer)`` before ``state_dict()`` (torch's signature)."""
+        return self._wrapped_hook_registration("register_state_dict_pre_hook")(hook, prepend=prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> RemovableHandle:
+        """Run ``hook(optimizer, state_dict)`` after ``state_dict()``; it may return a replacement."""
+        return self._wrapped_hook_registration("register_state_dict_post_hook")(hook, prepend=prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> RemovableHandle:
+        """Run ``hook(optimizer, state_dict)`` before ``load_state_dict()``; it may return a replacement."""
+        return self._wrapped_hook_registration("register_load_state_dict_pre_hook")(hook, prepend=prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> RemovableHandle:
+        """Run ``hook(optimizer)`` after ``load_state_dict()``."""
+        return self._wrapped_hook_registration("register_load_state_dict_post_hook")(hook, prepend=prepend)
+
+    def _wrapped_hook_registration(self, method: str) -> Any:
+        register = getattr(self.optimizer, method, None)
+        if register is None:
+            raise AttributeError(f"{type(self.optimizer).__name__} (the optimizer this AcceleratedOptimizer wraps) has "
+                                 f"no {method}(): it is not a torch.optim.Optimizer, or its torch is too old. HINT: "
+                                 "register the hook through the object that steps it, or use a torch optimizer.")
+        return register
 
     def train(self) -> None:
         """Forward ``train()`` to optimizers that have one (schedule-free)."""

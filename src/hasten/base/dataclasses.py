@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import warnings
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Literal
@@ -42,8 +43,42 @@ class _StrEnum(str, enum.Enum):
         return [m.value for m in cls]
 
 
-class DistributedType(_StrEnum):
-    """How the current run is distributed (compatibility/reporting value; hasten's parts decide behaviour)."""
+class _RenamedMembers(enum.EnumMeta):
+    """Enum metaclass that answers a renamed member's old name with the new member and a ``FutureWarning``.
+
+    The old name is not a member of its own (``list(DistributedType)`` and ``__members__`` stay Accelerate's),
+    so a normal lookup misses it and lands here; existing members are class attributes and never pay for this.
+    """
+
+    #: enum class name -> {old member name: current member name}
+    renamed: dict[str, dict[str, str]] = {"DistributedType": {"TPU": "XLA"}}
+
+    def _current_name(cls, name: str) -> str | None:
+        current = _RenamedMembers.renamed.get(cls.__name__, {}).get(name)
+        if current is not None:
+            warnings.warn(f"{cls.__name__}.{name} is deprecated (renamed {cls.__name__}.{current} in Accelerate 1.0) "
+                          f"and will be removed; use {cls.__name__}.{current}.", FutureWarning, stacklevel=3)
+        return current
+
+    def __getattr__(cls, name: str) -> Any:
+        current = None if name.startswith("_") else cls._current_name(name)
+        if current is not None:
+            return cls[current]
+        fallback = getattr(enum.EnumMeta, "__getattr__", None)  # Python < 3.12 looks members up here
+        if fallback is None:
+            raise AttributeError(name)
+        return fallback(cls, name)
+
+    def __getitem__(cls, name: str) -> Any:
+        return super().__getitem__(cls._current_name(name) or name)
+
+
+class DistributedType(_StrEnum, metaclass=_RenamedMembers):
+    """How the current run is distributed (compatibility/reporting value; hasten's parts decide behaviour).
+
+    ``DistributedType.TPU`` (Accelerate before 1.0, still used by transformers' ``run_*_no_trainer.py``
+    examples) is ``DistributedType.XLA``, with a ``FutureWarning``.
+    """
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"

@@ -62,13 +62,37 @@ def mpi_flavour(mpirun: str) -> str:
     return "mpich"
 
 
-def mpirun_command(mpirun: str, flavour: str, worker: list[str], num_processes: int, per_node: int,
-                   hostfile: str | None, env_keys: Iterable[str]) -> list[str]:
-    """The full command: ``mpirun <flags> python script args``.
+#: Open MPI's settings for a run on this machine alone (no hostfile): its out-of-band channel (mpirun's
+#: contact address, handed to every process) on loopback, and no TCP transport between MPI processes (one
+#: machine talks through shared memory; the TCP transport would listen on every interface).
+OPENMPI_LOOPBACK_MCA = {"oob_tcp_if_include": "lo", "btl": "^tcp"}
+
+
+def openmpi_loopback_flags(env: Mapping[str, str]) -> list[str]:
+    """``--mca NAME VALUE`` for each of :data:`OPENMPI_LOOPBACK_MCA` the user did not set (``OMPI_MCA_NAME``).
+
+    Open MPI's ``mpirun`` itself still opens its out-of-band listeners on every interface (Open MPI 4 and 5 bind
+    them to the wildcard address whatever the settings); with these flags nothing is told to connect there.
 
     Example:
-        >>> mpirun_command("mpirun", "openmpi", ["python", "t.py"], 2, 2, None, ["MASTER_PORT"])
-        ['mpirun', '-n', '2', '--bind-to', 'none', '-x', 'MASTER_PORT', 'python', 't.py']
+        >>> openmpi_loopback_flags({})
+        ['--mca', 'oob_tcp_if_include', 'lo', '--mca', 'btl', '^tcp']
+    """
+    flags: list[str] = []
+    for name, value in OPENMPI_LOOPBACK_MCA.items():
+        if f"OMPI_MCA_{name}" not in env:
+            flags += ["--mca", name, value]
+    return flags
+
+
+def mpirun_command(mpirun: str, flavour: str, worker: list[str], num_processes: int, per_node: int,
+                   hostfile: str | None, env_keys: Iterable[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """The full command: ``mpirun <flags> python script args``. Without a hostfile the run stays on this
+    machine, and Open MPI is kept on loopback (:func:`openmpi_loopback_flags`, given the launcher's ``env``).
+
+    Example:
+        >>> mpirun_command("mpirun", "openmpi", ["python", "t.py"], 2, 2, "hosts", ["MASTER_PORT"])[:5]
+        ['mpirun', '-n', '2', '--bind-to', 'none']
     """
     cmd = [mpirun, "-n", str(num_processes)]
     keys = sorted(env_keys)
@@ -76,6 +100,8 @@ def mpirun_command(mpirun: str, flavour: str, worker: list[str], num_processes: 
         cmd += ["--bind-to", "none"]  # pinning every rank to one core would serialize the CPU workers
         if hostfile:
             cmd += ["--hostfile", hostfile, "--npernode", str(per_node)]
+        else:
+            cmd += openmpi_loopback_flags(env or {})
         for key in keys:
             cmd += ["-x", key]
     else:

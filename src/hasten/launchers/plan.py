@@ -374,7 +374,7 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
         plan.nproc_per_node, plan.nnodes = 1, config.num_processes  # type: ignore[assignment]
         plan.node_rank = 0
     if launcher == "mpirun":
-        _wrap_in_mpirun(plan, hostfile)
+        _wrap_in_mpirun(plan, hostfile, env)
     return plan
 
 
@@ -402,10 +402,10 @@ def _elastic_settings(config: LaunchConfig, options: LaunchOptions, launcher: st
     return "c10d", restarts
 
 
-def _wrap_in_mpirun(plan: LaunchPlan, hostfile: str | None) -> None:
+def _wrap_in_mpirun(plan: LaunchPlan, hostfile: str | None, env: Mapping[str, str]) -> None:
     from hasten.launchers.mpirun import find_mpirun, mpi_flavour, mpirun_command
 
     plan.env.update(MASTER_ADDR=plan.master_addr, MASTER_PORT=str(plan.master_port))
     mpirun = find_mpirun()
     plan.command = mpirun_command(mpirun, mpi_flavour(mpirun), plan.command, plan.num_processes,
-                                  plan.nproc_per_node, hostfile, plan.env)
+                                  plan.nproc_per_node, hostfile, plan.env, {**env, **plan.env})
