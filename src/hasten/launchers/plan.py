@@ -304,12 +304,14 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     Args:
         config: the configuration after command-line flags were applied over the file.
         options: run settings that are not part of the file (script, restarts, ...).
-        env: the launcher's environment (SLURM detection, ``OMP_NUM_THREADS``).
+        env: the launcher's environment (SLURM, Kubeflow Trainer and SkyPilot detection, ``OMP_NUM_THREADS``).
         device_count: GPUs on this machine (detected when ``None``).
 
     Raises:
         ConfigurationError: the settings are invalid or name an unavailable engine.
     """
+    from hasten.environments import detect_machine_layout
+    from hasten.launchers.clusters import apply_machine_layout
     from hasten.launchers.slurm import apply_slurm, slurm_step_info
 
     check_engine_available(config)
@@ -321,6 +323,8 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     info = slurm_step_info(env)
     if info is not None and not options.use_mpi:
         config, slurm_task = apply_slurm(config, info)
+    elif (layout := detect_machine_layout(env)) is not None:  # Kubeflow Trainer v2, SkyPilot
+        config = apply_machine_layout(config, layout)
     config = resolve_processes(config, local_device_count(env) if device_count is None else device_count)
     config.validate("the launch settings")
     if parallelism is not None:  # refused here, before any worker starts
