@@ -1,7 +1,11 @@
 """Cluster environments: who am I, who are my peers (pure functions of an env mapping)."""
 
 from hasten.environments.base import ClusterEnvironment, MachineLayout, ProcessInfo, export_torch_env
-from hasten.environments.clusters import KubeflowTrainerEnvironment, SkyPilotEnvironment, detect_machine_layout
+from hasten.environments.clusters import (
+    KubeflowTrainerEnvironment,
+    SkyPilotEnvironment,
+    detect_machine_layout,
+)
 from hasten.environments.detect import (
     DETECTION_ORDER,
     current_process_info,
