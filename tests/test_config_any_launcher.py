@@ -69,6 +69,12 @@ def test_accumulation_and_parallelism_conflicts_are_named():
     assert "dp_shard_size" not in line  # left unset in code: the file fills it, no conflict
 
 
+def test_settings_hasten_never_runs_are_reported_not_dropped():
+    tpu = LaunchConfig.from_dict({"tpu_name": "pod", "downcast_bf16": True, "megatron_lm_config": {"megatron_lm_tp_degree": 2}})
+    _, line = apply_config_file({}, tpu, "f", _world(1))
+    assert "megatron_lm_config, tpu_name, downcast_bf16 are set in the file, but hasten does not run" in line
+
+
 def test_machine_count_and_rank_mismatches_are_reported():
     two = LaunchConfig(num_machines=2, machine_rank=0, num_processes=4)
     _, line = apply_config_file({}, two, "f", _world(4, local=2, node=1))
@@ -87,6 +93,17 @@ def test_accelerate_config_file_names_the_file(tmp_path):
     assert hasten_env.worker_config_file({**env, "HASTEN_LAUNCH_CONFIG": "{}"}) is None
     with pytest.raises(ConfigurationError, match="ACCELERATE_CONFIG_FILE='/nonexistent.yaml': no such file"):
         find_config_file(None, {"ACCELERATE_CONFIG_FILE": "/nonexistent.yaml"})
+
+
+def test_hasten_launch_reads_the_same_file(tmp_path):
+    import argparse
+
+    from hasten.commands.launch import build_launch_parser, resolve_config
+
+    named = save_config_file(LaunchConfig(mixed_precision="bf16", num_processes=2), tmp_path / "named.yaml")
+    args = build_launch_parser(argparse.ArgumentParser()).parse_args(["train.py"])
+    config = resolve_config(args, {"ACCELERATE_CONFIG_FILE": str(named), "HASTEN_HOME": str(tmp_path / "home")})
+    assert (config.mixed_precision, config.num_processes) == ("bf16", 2)
 
 
 def test_a_bare_accelerator_applies_the_default_file(tmp_path, monkeypatch):

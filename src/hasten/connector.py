@@ -178,6 +178,10 @@ def apply_config_file(kwargs: Mapping[str, Any], file: LaunchConfig, source: str
     defaults = LaunchConfig()
     changes: dict[str, Any] = {key: getattr(defaults, key) for key in LAUNCHER_ONLY}
     reports = _code_over_file(kwargs, file, changes)
+    unused = _never_run(file)
+    if unused:
+        reports.append(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} set in the file, but hasten does "
+                       "not run Megatron-LM or TPU launches (`hasten launch` refuses them): not applied")
     if world is not None:
         reports += _world_mismatches(file, world)
     config = dataclasses.replace(file, **changes)
@@ -223,6 +227,13 @@ def _code_over_file(kwargs: Mapping[str, Any], file: LaunchConfig, changes: dict
                                            if k != "gradient_accumulation_steps"}
     reports += _parallelism_over_file(kwargs.get("parallelism_config"), file, changes)
     return reports
+
+
+def _never_run(file: LaunchConfig) -> list[str]:
+    """The file's Megatron-LM and TPU settings (refused by ``hasten launch``; a worker reports them)."""
+    keys = [key for key in ("megatron_lm_config", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm",
+                            "tpu_env", "command_file", "commands", "downcast_bf16") if getattr(file, key)]
+    return keys + (["main_training_function"] if file.main_training_function != "main" else [])
 
 
 def _file_engine(file: LaunchConfig) -> str | None:

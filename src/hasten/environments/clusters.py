@@ -94,10 +94,12 @@ class KubeflowTrainerEnvironment(ClusterEnvironment):
             raise ConfigurationError(f"{src}: PET_MASTER_ADDR is not set. HINT: set it to the address of the pod "
                                      "with PET_NODE_RANK=0 (the torch runtime sets it to that pod's DNS name).")
         nproc = self._nproc(env)
+        port = read_port(env, "PET_MASTER_PORT", src)
         variables = (("num_machines", f"PET_NNODES={nnodes}"), ("machine_rank", f"PET_NODE_RANK={rank}"),
                      ("main_process_ip", f"PET_MASTER_ADDR={addr}"),
-                     ("processes_per_machine", f"PET_NPROC_PER_NODE={env.get('PET_NPROC_PER_NODE', '')}"))
-        return MachineLayout(src, nnodes, rank, addr, read_port(env, "PET_MASTER_PORT", src), nproc, variables)
+                     ("processes_per_machine", f"PET_NPROC_PER_NODE={env.get('PET_NPROC_PER_NODE', '')}"),
+                     *((("main_process_port", f"PET_MASTER_PORT={port}"),) if port else ()))
+        return MachineLayout(src, nnodes, rank, addr, port, nproc, variables)
 
     def _nproc(self, env: Mapping[str, str]) -> int | None:
         raw = env.get("PET_NPROC_PER_NODE", "").strip()
@@ -142,10 +144,12 @@ class SkyPilotEnvironment(ClusterEnvironment):
         rank = _machine_rank(env, "SKYPILOT_NODE_RANK", "SKYPILOT_NUM_NODES", nodes, src)
         gpus = self._gpus(env)
         main_ip = ips[0] if ips else "127.0.0.1"
+        port = read_port(env, "MASTER_PORT", src)
         variables = (("num_machines", f"SKYPILOT_NUM_NODES={nodes}"), ("machine_rank", f"SKYPILOT_NODE_RANK={rank}"),
                      ("main_process_ip", f"SKYPILOT_NODE_IPS (first line {main_ip})"),
-                     ("processes_per_machine", f"SKYPILOT_NUM_GPUS_PER_NODE={gpus}"))
-        return MachineLayout(src, nodes, rank, main_ip, read_port(env, "MASTER_PORT", src), gpus or None, variables)
+                     ("processes_per_machine", f"SKYPILOT_NUM_GPUS_PER_NODE={gpus}"),
+                     *((("main_process_port", f"MASTER_PORT={port}"),) if port else ()))
+        return MachineLayout(src, nodes, rank, main_ip, port, gpus or None, variables)
 
     def _gpus(self, env: Mapping[str, str]) -> int:
         raw = env.get("SKYPILOT_NUM_GPUS_PER_NODE", "").strip() or "0"

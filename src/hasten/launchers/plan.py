@@ -321,6 +321,7 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     command = worker_command(options)
     slurm_task = False
     info = slurm_step_info(env)
+    layout = None
     if info is not None and not options.use_mpi:
         config, slurm_task = apply_slurm(config, info)
     elif (layout := detect_machine_layout(env)) is not None:  # Kubeflow Trainer v2, SkyPilot
@@ -344,6 +345,9 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
         # real Accelerate is not installed (a Trainer script runs unchanged); torchrun's workers get it too.
         command = worker_command(options, bootstrap=True)
     notes: list[str] = []
+    if layout is not None:
+        notes.append(f"{layout.source}: machine {config.machine_rank} of {config.num_machines} "
+                     f"({', '.join(value for _, value in layout.variables)})")
     if config.same_network and config.num_machines > 1:
         notes.append("same_network only changes TPU pod launches in Accelerate; hasten's rendezvous is the same "
                      "either way")
