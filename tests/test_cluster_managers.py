@@ -123,6 +123,9 @@ def test_plan_from_skypilot_variables_alone_is_one_process_per_cpu_node():
     gpus = build_plan(LaunchConfig(), LaunchOptions(script=str(Path(hasten.testing.__file__))),
                       {**SKY, "SKYPILOT_NUM_GPUS_PER_NODE": "8"}, device_count=8)
     assert (gpus.nproc_per_node, gpus.num_processes) == (8, 24)
+    on_cpu = build_plan(LaunchConfig(use_cpu=True), LaunchOptions(script=str(Path(hasten.testing.__file__))),
+                        {**SKY, "SKYPILOT_NUM_GPUS_PER_NODE": "8"}, device_count=8)
+    assert on_cpu.nproc_per_node == 1  # --cpu: the GPU count does not make 8 CPU processes
 
 
 def test_plan_keeps_an_explicit_address_and_refuses_contradictions():

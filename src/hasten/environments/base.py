@@ -110,8 +110,10 @@ class MachineLayout:
     """The machines of a run as a cluster manager describes them, for one ``hasten launch`` per machine.
 
     ``processes_per_machine`` is None when the cluster does not say (``hasten launch`` then starts one process
-    per GPU, or one on a CPU machine, unless ``--num_processes`` says otherwise). ``variables`` names the
-    variable each value came from (``{"num_machines": "PET_NNODES=2", ...}``) for error messages.
+    per GPU, or one on a CPU machine, unless ``--num_processes`` says otherwise); ``processes_from_gpus`` marks
+    a count that is only the machine's GPUs (SkyPilot), not an instruction (Kubeflow's ``numProcPerNode``).
+    ``variables`` names the variable each value came from (``("num_machines", "PET_NNODES=2")``, ...) for
+    messages.
 
     Example:
         >>> MachineLayout("SkyPilot", 2, 1, "10.0.0.1", None, None).num_machines
@@ -125,6 +127,7 @@ class MachineLayout:
     main_process_port: int | None
     processes_per_machine: int | None
     variables: tuple[tuple[str, str], ...] = ()
+    processes_from_gpus: bool = False
 
     def variable(self, key: str) -> str:
         """``NAME=value`` of the variable that gave ``key`` (the source's name when none did)."""

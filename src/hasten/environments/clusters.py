@@ -149,7 +149,7 @@ class SkyPilotEnvironment(ClusterEnvironment):
                      ("main_process_ip", f"SKYPILOT_NODE_IPS (first line {main_ip})"),
                      ("processes_per_machine", f"SKYPILOT_NUM_GPUS_PER_NODE={gpus}"),
                      *((("main_process_port", f"MASTER_PORT={port}"),) if port else ()))
-        return MachineLayout(src, nodes, rank, main_ip, port, gpus or None, variables)
+        return MachineLayout(src, nodes, rank, main_ip, port, gpus or None, variables, processes_from_gpus=True)
 
     def _gpus(self, env: Mapping[str, str]) -> int:
         raw = env.get("SKYPILOT_NUM_GPUS_PER_NODE", "").strip() or "0"

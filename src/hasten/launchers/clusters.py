@@ -47,12 +47,12 @@ def apply_machine_layout(config: LaunchConfig, layout: MachineLayout) -> LaunchC
     if config.machine_rank not in (0, layout.machine_rank):
         raise _refuse(layout, "machine_rank", config.machine_rank, "--machine_rank")
     total = config.num_processes
-    per_machine = layout.processes_per_machine
+    # A GPU count (SkyPilot) says nothing about a --cpu run; Kubeflow's numProcPerNode is an instruction.
+    per_machine = None if layout.processes_from_gpus and config.use_cpu else layout.processes_per_machine
     if total is None and per_machine is not None:
         total = per_machine * layout.num_machines
-    elif total is not None and per_machine is not None and layout.source == "Kubeflow Trainer" \
+    elif total is not None and per_machine is not None and not layout.processes_from_gpus \
             and total != per_machine * layout.num_machines:
-        # PET_NPROC_PER_NODE is an instruction (the TrainJob's numProcPerNode); SkyPilot's GPU count is not.
         raise ConfigurationError(f"num_processes={total} (command line or configuration file) contradicts this "
                                  f"{layout.source} machine's {layout.variable('processes_per_machine')} x "
                                  f"{layout.variable('num_machines')} = {per_machine * layout.num_machines} processes. "
