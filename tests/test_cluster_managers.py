@@ -153,9 +153,10 @@ def _env(tmp_path, cluster):
     return env
 
 
-def _reference(tmp_path):
-    ref = tmp_path / "reference"
-    ref.mkdir()
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The weights one process reaches with the whole global batch (computed once for the module)."""
+    ref = tmp_path_factory.mktemp("reference")
     done = subprocess.run([sys.executable, TRAIN, str(ref), "12", "-1"], env=_env(ref, {}), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -190,8 +191,7 @@ def _sky(rank, machines):
 @pytest.mark.launch
 @needs_netns
 @pytest.mark.parametrize(("variables_of", "world"), [(_pet, 4), (_sky, 2)], ids=["kubeflow-trainer", "skypilot"])
-def test_two_pods_form_the_world_from_cluster_variables_alone(tmp_path, variables_of, world):
-    reference = _reference(tmp_path)
+def test_two_pods_form_the_world_from_cluster_variables_alone(tmp_path, reference, variables_of, world):
     with simulated_machines(2) as machines:
         codes, outs = _pods(machines, tmp_path, variables_of)
     assert codes == [0, 0], "\n".join(outs)
