@@ -9,6 +9,7 @@ raises instead of guessing.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from hasten.base.dataclasses import (
 )
 from hasten.base.fp8 import AORecipeKwargs
 from hasten.config.schema import LaunchConfig
+from hasten.environments.base import ProcessInfo
 from hasten.exceptions import ConfigurationError
 from hasten.precision import SUPPORTED, Precision, create_precision
 from hasten.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
@@ -145,6 +147,132 @@ def as_launch_config(launch: LaunchConfig | Mapping[str, Any] | None) -> LaunchC
     if isinstance(launch, LaunchConfig):
         return launch
     return LaunchConfig.from_launch_dict(launch, source="the launch configuration")
+
+
+#: Settings only a launcher acts on. A process started by another launcher (plain torchrun, Ray, Kubeflow, python)
+#: already exists with its world, so they are not applied from the configuration file there; those that disagree
+#: with that world are reported (:func:`apply_config_file`).
+LAUNCHER_ONLY = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+                 "rdzv_backend", "same_network", "gpu_ids", "min_machines", "mpirun_config", "enable_cpu_affinity")
+
+
+def apply_config_file(kwargs: Mapping[str, Any], file: LaunchConfig, source: str,
+                      world: ProcessInfo | None = None) -> tuple[LaunchConfig, str | None]:
+    """The configuration file as a process not started by ``hasten launch`` applies it, and the one line to report.
+
+    The documented precedence holds: a value given in code (``Accelerator(...)`` arguments and plugins, so also
+    ``TrainingArguments``) wins over the file; unlike under ``hasten launch``, where such a conflict is an error,
+    the file was not written for this one run, so the run goes on with the code's value and the line names both.
+    Launcher-only settings (:data:`LAUNCHER_ONLY`) are not applied; where the file's value disagrees with
+    ``world`` (the processes that exist), the line says so.
+
+    Returns:
+        The configuration to resolve the run with (a :class:`LaunchConfig`), and one line naming every value
+        set in both places with different values (None when there is none).
+
+    Example:
+        >>> cfg, line = apply_config_file({"mixed_precision": "fp16"}, LaunchConfig(mixed_precision="bf16"), "f.yaml")
+        >>> cfg.mixed_precision, "code wins" in line
+        ('no', True)
+    """
+    defaults = LaunchConfig()
+    changes: dict[str, Any] = {key: getattr(defaults, key) for key in LAUNCHER_ONLY}
+    reports = _code_over_file(kwargs, file, changes)
+    unused = _never_run(file)
+    if unused:
+        reports.append(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} set in the file, but hasten does "
+                       "not run Megatron-LM or TPU launches (`hasten launch` refuses them): not applied")
+    if world is not None:
+        reports += _world_mismatches(file, world)
+    config = dataclasses.replace(file, **changes)
+    if not reports:
+        return config, None
+    return config, (f"hasten: the configuration file {source} and this run disagree: " + "; ".join(reports)
+                    + " (precedence: Accelerator(...) arguments > configuration file; the launcher decides the "
+                    "processes)")
+
+
+def _code_over_file(kwargs: Mapping[str, Any], file: LaunchConfig, changes: dict[str, Any]) -> list[str]:
+    """The file's values that the code's replace (reported), removed from the file through ``changes``."""
+    reports: list[str] = []
+    code_precision = kwargs.get("mixed_precision")
+    if code_precision is not None:
+        value = str(getattr(code_precision, "value", code_precision)).lower()
+        if file.mixed_precision not in (None, "no", value):
+            reports.append(f"mixed_precision is {file.mixed_precision!r} in the file and {value!r} in code: code wins")
+            changes["mixed_precision"] = "no"
+    code_dynamo = kwargs.get("dynamo_plugin") or kwargs.get("dynamo_backend")
+    file_dynamo = str(file.dynamo_config.get("dynamo_backend") or "no").upper()
+    if code_dynamo is not None and file_dynamo != "NO":
+        named = str(getattr(code_dynamo, "backend", getattr(code_dynamo, "value", code_dynamo))).upper()
+        if named != file_dynamo:
+            reports.append(f"dynamo_backend is {file_dynamo!r} in the file and {named!r} in code: code wins")
+        changes["dynamo_config"] = {}
+    engine = _file_engine(file)
+    code_engine = ("fsdp_plugin" if kwargs.get("fsdp_plugin") is not None else
+                   "deepspeed_plugin" if kwargs.get("deepspeed_plugin") is not None else None)
+    if code_engine is not None and engine is not None:
+        reports.append(f"the engine is {engine} in the file and Accelerator({code_engine}=...) in code: code wins")
+        changes.update(distributed_type="NO", fsdp_config={}, deepspeed_config={})
+    elif engine == "DeepSpeed (deepspeed_config)":
+        steps = file.deepspeed_config.get("gradient_accumulation_steps")
+        plugin = kwargs.get("gradient_accumulation_plugin")
+        code_steps = kwargs.get("gradient_accumulation_steps", 1)
+        if plugin is not None and getattr(plugin, "num_steps", None) is not None:
+            code_steps = plugin.num_steps
+        if code_steps != 1 and str(steps).strip().isdigit() and int(str(steps)) != code_steps:
+            reports.append(f"gradient_accumulation_steps is {steps} in the file (deepspeed_config) and {code_steps} "
+                           "in code: code wins")
+            changes["deepspeed_config"] = {k: v for k, v in file.deepspeed_config.items()
+                                           if k != "gradient_accumulation_steps"}
+    reports += _parallelism_over_file(kwargs.get("parallelism_config"), file, changes)
+    return reports
+
+
+def _never_run(file: LaunchConfig) -> list[str]:
+    """The file's Megatron-LM and TPU settings (refused by ``hasten launch``; a worker reports them)."""
+    keys = [key for key in ("megatron_lm_config", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm",
+                            "tpu_env", "command_file", "commands", "downcast_bf16") if getattr(file, key)]
+    return keys + (["main_training_function"] if file.main_training_function != "main" else [])
+
+
+def _file_engine(file: LaunchConfig) -> str | None:
+    if file.distributed_type == "DEEPSPEED":
+        return "DeepSpeed (deepspeed_config)"
+    if file.distributed_type == "FSDP" or file.fsdp_config:
+        return "FSDP (fsdp_config)"
+    return None
+
+
+def _parallelism_over_file(code: Any, file: LaunchConfig, changes: dict[str, Any]) -> list[str]:
+    """Sizes set both in a ``ParallelismConfig`` and in the file's ``parallelism_config`` block, differently."""
+    if code is None or not file.parallelism_config:
+        return []
+    from hasten.config.parallelism import parallelism_config_from_launch
+
+    sizes = parallelism_config_from_launch({"parallelism_config": file.parallelism_config})
+    unset = getattr(code, "_unset", ())
+    reports = [f"parallelism_config.{name} is {getattr(sizes, name)} in the file and {getattr(code, name)} in code: "
+               "code wins" for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+               if sizes is not None and name not in unset and getattr(code, name) != getattr(sizes, name)
+               and f"parallelism_config_{name}" in file.parallelism_config]
+    return reports
+
+
+def _world_mismatches(file: LaunchConfig, world: ProcessInfo) -> list[str]:
+    """The file's launcher-only values that disagree with the processes that exist (they are not applied)."""
+    reports: list[str] = []
+    if file.num_processes is not None and file.num_processes != world.world_size:
+        reports.append(f"num_processes is {file.num_processes} in the file but this run has {world.world_size} "
+                       f"process{'es' if world.world_size != 1 else ''}: the launcher's count is used")
+    machines = max(world.world_size // max(world.local_world_size, 1), 1)
+    if file.num_machines != machines:
+        reports.append(f"num_machines is {file.num_machines} in the file but this run has {machines}: the "
+                       "launcher's count is used")
+    elif machines > 1 and file.machine_rank != world.node_rank:
+        reports.append(f"machine_rank is {file.machine_rank} in the file but this machine is {world.node_rank}: the "
+                       "launcher's rank is used")
+    return reports
 
 
 def resolve_settings(kwargs: Mapping[str, Any], launch: LaunchConfig | Mapping[str, Any] | None) -> Settings:

@@ -196,7 +196,7 @@ class PartialState(_ProcessQueries):
         self.__dict__ = self._shared_state
         if self.initialized:
             return
-        launch = hasten_env.launch_config_dict()
+        launch = hasten_env.worker_launch_dict()  # hasten launch's configuration, else the configuration file
         # Accelerate honours ACCELERATE_USE_CPU here too (its launcher and the test harness set it).
         cpu = cpu or bool(launch.get("use_cpu", False)) or parse_flag_from_env("ACCELERATE_USE_CPU")
         environment, info = current_process_info()

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import logging
 import os
 import warnings
 from collections.abc import Iterable, Iterator
@@ -39,7 +40,9 @@ from hasten.base.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, 
 from hasten.base.imports import is_compiled_module
 from hasten.base.modeling import extract_model_from_parallel
 from hasten.config import env as hasten_env
-from hasten.connector import build_parts, resolve_settings
+from hasten.config.schema import LaunchConfig
+from hasten.connector import apply_config_file, build_parts, resolve_settings
+from hasten.environments import current_process_info
 from hasten.environments.watchdog import TRACKER
 from hasten.exceptions import ConfigurationError
 from hasten.precision import detach_autocast_forward
@@ -113,6 +116,31 @@ def _collect_handlers(kwargs_handlers: list[KwargsHandler] | None) -> dict[type,
     return handlers
 
 
+logger = logging.getLogger(__name__)
+#: Lines already reported about the configuration file in this process (each is reported once).
+_REPORTED: set[str] = set()
+
+
+def _launch_configuration(arguments: dict[str, Any]) -> LaunchConfig | None:
+    """``hasten launch``'s configuration, else the configuration file that ``hasten launch`` would read, as a
+    process started by any other launcher applies it (code wins; a disagreement is reported once per machine)."""
+    launch = hasten_env.launch_config()  # typed LaunchConfig, None when not launched by `hasten launch`
+    if launch is not None:
+        return launch
+    found = hasten_env.worker_config_file()
+    if found is None:
+        return None
+    world = current_process_info()[1]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():  # a group someone else started (Ray)
+        world = dataclasses.replace(world, world_size=torch.distributed.get_world_size(),
+                                    rank=torch.distributed.get_rank())
+    launch, line = apply_config_file(arguments, found[1], str(found[0]), world)
+    if line is not None and world.local_rank == 0 and line not in _REPORTED:
+        _REPORTED.add(line)
+        logger.warning(line)
+    return launch
+
+
 class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin,
                   NDParallelismMixin, PreemptionMixin, TrivialFeaturesMixin):
     """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
@@ -164,14 +192,13 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         if mixed_precision is None and AcceleratorState._shared_state:
             # A second Accelerator in the process reuses the first one's precision, as in Accelerate.
             mixed_precision = AcceleratorState._shared_state.get("_mixed_precision")
-        launch = hasten_env.launch_config()  # typed LaunchConfig, None when not launched by `hasten launch`
-        self._settings = resolve_settings(
-            {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
-             "gradient_accumulation_plugin": gradient_accumulation_plugin, "dynamo_backend": dynamo_backend,
-             "dynamo_plugin": dynamo_plugin, "cpu": cpu, "fsdp_plugin": fsdp_plugin,
-             "deepspeed_plugin": deepspeed_plugin or deepspeed_plugins, "parallelism_config": parallelism_config,
-             "kwargs_handlers": handlers},
-            launch)
+        arguments = {"mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
+                     "gradient_accumulation_plugin": gradient_accumulation_plugin, "dynamo_backend": dynamo_backend,
+                     "dynamo_plugin": dynamo_plugin, "cpu": cpu, "fsdp_plugin": fsdp_plugin,
+                     "deepspeed_plugin": deepspeed_plugin or deepspeed_plugins,
+                     "parallelism_config": parallelism_config, "kwargs_handlers": handlers}
+        launch = _launch_configuration(arguments)
+        self._settings = resolve_settings(arguments, launch)
         if self._settings.mixed_precision == "fp8" and AORecipeKwargs not in handlers:
             # torchao's defaults (as Accelerate fills in), with the launch configuration's AO switches
             recipe = ao_recipe_from_launch(launch.fp8_config if launch is not None else None)

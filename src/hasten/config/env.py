@@ -3,7 +3,8 @@
 ``hasten launch`` passes a single variable, ``HASTEN_LAUNCH_CONFIG`` (JSON of the launch configuration),
 plus torchrun's standard variables. A few switches are also honoured on their own so that plain
 ``python``/``torchrun`` users can set them: ``HASTEN_DEBUG_MODE``, ``HASTEN_LOG_LEVEL`` and
-``HASTEN_COLLECTIVE_TIMEOUT`` (seconds; what ``hasten launch --collective_timeout`` sets).
+``HASTEN_COLLECTIVE_TIMEOUT`` (seconds; what ``hasten launch --collective_timeout`` sets). A process started
+by any other launcher reads the configuration file instead (:func:`worker_config_file`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from hasten.base.environment import as_bool
+from hasten.config.io import find_config_file, load_config_file
 from hasten.config.schema import LaunchConfig
 
 LAUNCH_CONFIG_VAR = "HASTEN_LAUNCH_CONFIG"
@@ -66,6 +69,45 @@ def launch_config(env: Mapping[str, str] | None = None) -> LaunchConfig | None:
     """
     data = launch_config_dict(env)
     return LaunchConfig.from_launch_dict(data) if data else None
+
+
+#: Parsed configuration files by (path, modification time, size): a worker reads its file once.
+_FILE_CACHE: dict[tuple[str, int, int], LaunchConfig] = {}
+
+
+def worker_config_file(env: Mapping[str, str] | None = None) -> tuple[Path, LaunchConfig] | None:
+    """The configuration file a process not started by ``hasten launch`` applies, and its content.
+
+    Workers of ``hasten launch`` receive the configuration in ``HASTEN_LAUNCH_CONFIG`` (None here). Any other
+    process (plain ``torchrun``, Ray, Kubeflow, ``python``) reads the file ``hasten launch`` would read:
+    ``ACCELERATE_CONFIG_FILE``, else the default file (:func:`hasten.config.io.find_config_file`); None when
+    there is none.
+
+    Raises:
+        ConfigurationError: ``ACCELERATE_CONFIG_FILE`` names no file, or the file is malformed.
+    """
+    env = _env(env)
+    if env.get(LAUNCH_CONFIG_VAR):
+        return None
+    path = find_config_file(None, env)
+    if path is None:
+        return None
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _FILE_CACHE:
+        _FILE_CACHE.clear()
+        _FILE_CACHE[key] = load_config_file(path)
+    return path, _FILE_CACHE[key]
+
+
+def worker_launch_dict(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The launch configuration of this process as a dict: ``HASTEN_LAUNCH_CONFIG``, else the configuration file
+    of :func:`worker_config_file` ({} when neither)."""
+    launched = launch_config_dict(env)
+    if launched:
+        return launched
+    found = worker_config_file(env)
+    return found[1].to_launch_dict() if found is not None else {}
 
 
 def launch_config_to_env(config: Mapping[str, Any]) -> dict[str, str]:
@@ -156,12 +198,13 @@ def accelerate_launch_env(config: Mapping[str, Any]) -> dict[str, str]:
 
 
 def debug_mode(env: Mapping[str, str] | None = None) -> bool:
-    """True when cross-rank checks of collectives are on (``HASTEN_DEBUG_MODE=1`` or ``launch --debug``)."""
+    """True when cross-rank checks of collectives are on (``HASTEN_DEBUG_MODE=1``, ``launch --debug`` or the
+    configuration file's ``debug``)."""
     env = _env(env)
     raw = env.get(DEBUG_MODE_VAR)
     if raw is not None:
         return as_bool(raw, DEBUG_MODE_VAR) if raw.strip() else False
-    return bool(launch_config_dict(env).get("debug", False))
+    return bool(worker_launch_dict(env).get("debug", False))
 
 
 def log_level(env: Mapping[str, str] | None = None) -> str | None:
@@ -203,5 +246,5 @@ def preemption_dir(env: Mapping[str, str] | None = None) -> str | None:
 
 def preemption_signal(env: Mapping[str, str] | None = None) -> str | None:
     """The preemption signal of the launch configuration (``hasten launch --preemption_signal``), if any."""
-    value = launch_config_dict(env).get("preemption_signal")
+    value = worker_launch_dict(env).get("preemption_signal")
     return str(value) if value else None

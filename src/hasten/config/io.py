@@ -1,6 +1,7 @@
 """Where the configuration file lives, and reading/writing it (YAML or JSON, written atomically).
 
-Default location: ``$HASTEN_HOME/default_config.yaml``, else ``$XDG_CACHE_HOME/hasten/default_config.yaml``,
+``--config_file``, else the file named by ``ACCELERATE_CONFIG_FILE``, else the default location:
+``$HASTEN_HOME/default_config.yaml``, else ``$XDG_CACHE_HOME/hasten/default_config.yaml``,
 else ``~/.cache/hasten/default_config.yaml``. Without one, Accelerate's default file
 (``~/.cache/huggingface/accelerate/default_config.yaml``, or under ``$HF_HOME``) is read. Functions take an ``env`` mapping (the process
 environment by default) so they can be tested without touching the real environment.
@@ -21,6 +22,8 @@ from hasten.exceptions import ConfigurationError
 
 CONFIG_FILE_NAME = "default_config.yaml"
 HOME_VAR = "HASTEN_HOME"
+#: Names the configuration file when ``--config_file`` is not given (the variable Accelerate users set for it).
+CONFIG_FILE_VAR = "ACCELERATE_CONFIG_FILE"
 
 
 def config_home(env: Mapping[str, str] | None = None) -> Path:
@@ -78,12 +81,20 @@ def is_accelerate_config(path: Path | None, env: Mapping[str, str] | None = None
 
 def find_config_file(config_file: str | os.PathLike[str] | None,
                      env: Mapping[str, str] | None = None) -> Path | None:
-    """The file to read: ``config_file`` if given (it must exist), else hasten's default file if it exists,
-    else Accelerate's default file (:func:`accelerate_config_file`) if that exists.
+    """The file to read: ``config_file`` if given (it must exist), else the file named by
+    ``ACCELERATE_CONFIG_FILE`` (it must exist), else hasten's default file if it exists, else Accelerate's
+    default file (:func:`accelerate_config_file`) if that exists.
 
     Raises:
-        ConfigurationError: ``config_file`` was given but does not exist.
+        ConfigurationError: ``config_file`` or ``ACCELERATE_CONFIG_FILE`` names no file.
     """
+    named = (current_environment() if env is None else env).get(CONFIG_FILE_VAR, "").strip()
+    if config_file is None and named:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise ConfigurationError(f"{CONFIG_FILE_VAR}={named!r}: no such file. HINT: fix the path, or unset "
+                                     f"{CONFIG_FILE_VAR} to use the default configuration file.")
+        return path
     if config_file is not None:
         path = Path(config_file).expanduser()
         if not path.is_file():

@@ -103,3 +103,47 @@ def export_torch_env(info: ProcessInfo) -> None:
         interface = gloo_interface_for(info.master_addr, single_machine=info.local_world_size == info.world_size)
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+@dataclass(frozen=True)
+class MachineLayout:
+    """The machines of a run as a cluster manager describes them, for one ``hasten launch`` per machine.
+
+    ``processes_per_machine`` is None when the cluster does not say (``hasten launch`` then starts one process
+    per GPU, or one on a CPU machine, unless ``--num_processes`` says otherwise); ``processes_from_gpus`` marks
+    a count that is only the machine's GPUs (SkyPilot), not an instruction (Kubeflow's ``numProcPerNode``).
+    ``variables`` names the variable each value came from (``("num_machines", "PET_NNODES=2")``, ...) for
+    messages.
+
+    Example:
+        >>> MachineLayout("SkyPilot", 2, 1, "10.0.0.1", None, None).num_machines
+        2
+    """
+
+    source: str
+    num_machines: int
+    machine_rank: int
+    main_process_ip: str
+    main_process_port: int | None
+    processes_per_machine: int | None
+    variables: tuple[tuple[str, str], ...] = ()
+    processes_from_gpus: bool = False
+
+    def variable(self, key: str) -> str:
+        """``NAME=value`` of the variable that gave ``key`` (the source's name when none did)."""
+        return dict(self.variables).get(key, self.source)
+
+
+def read_port(env: Mapping[str, str], key: str, source: str) -> int | None:
+    """A TCP port variable (None when unset), refused when it is not an integer in 1..65535."""
+    raw = env.get(key, "").strip()
+    if not raw:
+        return None
+    hint = "HINT: set it to a port in 1..65535 that is free on the main machine."
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ConfigurationError(f"{source}: {key}={raw!r} is not an integer. {hint}") from None
+    if not 1 <= port <= 65535:
+        raise ConfigurationError(f"{source}: {key}={raw!r} is not a TCP port. {hint}")
+    return port

@@ -6,14 +6,16 @@ import os
 from collections.abc import Mapping
 
 from hasten.environments.base import ClusterEnvironment, ProcessInfo
+from hasten.environments.clusters import KubeflowTrainerEnvironment, SkyPilotEnvironment
 from hasten.environments.kubeflow import KubeflowEnvironment
 from hasten.environments.local import LocalEnvironment
 from hasten.environments.mpi import MPICHEnvironment, MVAPICHEnvironment, OpenMPIEnvironment
 from hasten.environments.slurm import SLURMEnvironment
 from hasten.environments.torchelastic import TorchElasticEnvironment
 
-# Order matters: torchrun inside a SLURM allocation or under mpirun sets its own variables, and those
-# describe the processes that actually exist.
+# Order matters: torchrun inside a SLURM allocation, under mpirun or in a Kubeflow/SkyPilot machine sets its
+# own variables, and those describe the processes that actually exist. Kubeflow Trainer v2 and SkyPilot describe
+# machines; they are this process's place only when it was started alone on its machine.
 DETECTION_ORDER: tuple[type[ClusterEnvironment], ...] = (
     TorchElasticEnvironment,
     OpenMPIEnvironment,
@@ -21,6 +23,8 @@ DETECTION_ORDER: tuple[type[ClusterEnvironment], ...] = (
     MVAPICHEnvironment,
     SLURMEnvironment,
     KubeflowEnvironment,
+    KubeflowTrainerEnvironment,
+    SkyPilotEnvironment,
     LocalEnvironment,
 )
 

@@ -304,12 +304,14 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     Args:
         config: the configuration after command-line flags were applied over the file.
         options: run settings that are not part of the file (script, restarts, ...).
-        env: the launcher's environment (SLURM detection, ``OMP_NUM_THREADS``).
+        env: the launcher's environment (SLURM, Kubeflow Trainer and SkyPilot detection, ``OMP_NUM_THREADS``).
         device_count: GPUs on this machine (detected when ``None``).
 
     Raises:
         ConfigurationError: the settings are invalid or name an unavailable engine.
     """
+    from hasten.environments import detect_machine_layout
+    from hasten.launchers.clusters import apply_machine_layout
     from hasten.launchers.slurm import apply_slurm, slurm_step_info
 
     check_engine_available(config)
@@ -319,8 +321,11 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
     command = worker_command(options)
     slurm_task = False
     info = slurm_step_info(env)
+    layout = None
     if info is not None and not options.use_mpi:
         config, slurm_task = apply_slurm(config, info)
+    elif (layout := detect_machine_layout(env)) is not None:  # Kubeflow Trainer v2, SkyPilot
+        config = apply_machine_layout(config, layout)
     config = resolve_processes(config, local_device_count(env) if device_count is None else device_count)
     config.validate("the launch settings")
     if parallelism is not None:  # refused here, before any worker starts
@@ -340,6 +345,9 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
         # real Accelerate is not installed (a Trainer script runs unchanged); torchrun's workers get it too.
         command = worker_command(options, bootstrap=True)
     notes: list[str] = []
+    if layout is not None:
+        notes.append(f"{layout.source}: machine {config.machine_rank} of {config.num_machines} "
+                     f"({', '.join(value for _, value in layout.variables)})")
     if config.same_network and config.num_machines > 1:
         notes.append("same_network only changes TPU pod launches in Accelerate; hasten's rendezvous is the same "
                      "either way")
