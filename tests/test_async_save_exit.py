@@ -29,8 +29,6 @@ from hasten import Accelerator
 from hasten.checkpointing import SAVE_STAGE_HOOKS
 from test_async_save_kill import _check_loadable
 
-pytestmark = pytest.mark.launch
-
 NOTICE = "to be published before exiting"
 FAILURE = "No space left on device"
 SEED = 33
@@ -81,7 +79,8 @@ SCRIPT = textwrap.dedent("""
         if stage == "async_written" and accelerator.is_main_process:
             watch.seen.wait(timeout=20)         # in flight until the script has ended (the other ranks
                                                 # cannot publish before this one agrees)
-        if mode == "fail" and stage == "async_written" and path.name == f"random_states_{accelerator.num_processes - 1}.pkl":
+        last_rank_file = f"random_states_{accelerator.num_processes - 1}.pkl"
+        if mode == "fail" and stage == "async_written" and path.name == last_rank_file:
             raise OSError(28, "No space left on device", str(path))
         if stage == mode and watch.seen.is_set():
             print("PAUSED", stage, flush=True)
@@ -130,6 +129,7 @@ def test_python_script_ending_with_an_async_save_publishes_it(tmp_path, ending):
     assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_1"]  # pruned to 1
 
 
+@pytest.mark.launch
 def test_hasten_launch_script_ending_with_an_async_save_publishes_it(tmp_path, recwarn):
     code, out, project = _run(tmp_path, "return", launch=True)
     assert code == 0, out
@@ -137,11 +137,13 @@ def test_hasten_launch_script_ending_with_an_async_save_publishes_it(tmp_path, r
     assert _check_loadable(project, out[-3000:]) == 2  # saved by 2 processes, loaded by this one
 
 
-@pytest.mark.parametrize("launch", [False, True], ids=["python", "hasten-launch"])
+@pytest.mark.parametrize("launch", [False, pytest.param(True, marks=pytest.mark.launch)],
+                         ids=["python", "hasten-launch"])
 def test_a_failing_async_save_at_exit_fails_the_run_on_every_process(tmp_path, launch, recwarn):
     code, out, project = _run(tmp_path, "return", "fail", launch=launch)
     assert code != 0, out
-    errors = [line for line in out.splitlines() if line.startswith("hasten: The background save of") and FAILURE in line]
+    errors = [line for line in out.splitlines()
+              if line.startswith("hasten: The background save of") and FAILURE in line]
     assert len(errors) == (2 if launch else 1), out  # printed by every process, the same message
     assert len(set(errors)) == 1 and "nothing was published; the previous checkpoint is intact" in errors[0]
     assert _check_loadable(project, out[-3000:]) == 1  # the previous checkpoint

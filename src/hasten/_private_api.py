@@ -221,5 +221,5 @@ PRIVATE_NAMES = ("_get_default_store", "_flatten(", "_set_unshard_async_op", "_g
 
 __all__ = ["CHECKED_TORCH", "PRIVATE_NAMES", "PrivateAPIError", "apply_activation_checkpointing", "clone_default_store",
            "composable_checkpoint", "fixture_argnames", "flatten_mesh", "fsdp_param_records", "has_unshard_async",
-           "pending_gradient", "run_before_threads_join", "run_exit_functions", "set_pending_gradient", "set_rotate_method",
-           "set_unshard_async", "to_call_device"]
+           "pending_gradient", "run_before_threads_join", "run_exit_functions", "set_pending_gradient",
+           "set_rotate_method", "set_unshard_async", "to_call_device"]
