@@ -60,6 +60,7 @@ def test_module_to_parser_and_interpreter_and_pytest_internals(request):
     assert private.to_call_device(torch.device("cpu")) == torch.device("cpu")
     assert private.to_call_device(torch.float16) is None
     assert hasattr(atexit, "_run_exitfuncs")  # run_exit_functions is called for real by the launch tests
+    assert private.run_before_threads_join(lambda: None)  # threading._register_atexit (exits in test_async_save_exit)
     assert "request" in private.fixture_argnames(request.node)
 
 

@@ -176,6 +176,31 @@ def run_exit_functions() -> None:
     run()
 
 
+def run_before_threads_join(function: Callable[[], None]) -> bool:
+    """Run ``function`` at interpreter exit before non-daemon threads are joined: ``threading._register_atexit``.
+
+    That is before ``concurrent.futures`` refuses new work ("cannot schedule new futures after
+    interpreter shutdown") when ``function`` is registered after it (they run newest first), and before
+    ``atexit`` functions (the process group's teardown). Returns False when the interpreter is already
+    shutting down (too late to register).
+
+    Raises:
+        PrivateAPIError: the interpreter has no such function.
+    """
+    import threading
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        raise PrivateAPIError("threading._register_atexit is missing in this Python: hasten cannot finish an "
+                              "asynchronous save at exit. Use CPython 3.10-3.13, or call "
+                              "accelerator.wait_for_checkpoint() before the script ends.")
+    try:
+        register(function)
+    except RuntimeError:  # "can't register atexit after shutdown"
+        return False
+    return True
+
+
 def fixture_argnames(item: Any) -> tuple[str, ...]:
     """The fixture names a pytest test function asks for (``item._fixtureinfo.argnames``).
 
@@ -192,9 +217,9 @@ def fixture_argnames(item: Any) -> tuple[str, ...]:
 #: Every name above, for the house rule that keeps them here.
 PRIVATE_NAMES = ("_get_default_store", "_flatten(", "_set_unshard_async_op", "_get_fsdp_state", "_fsdp_param_group",
                  "_unsharded_", "unsharded_accumulated_grad", "distributed._composable", "algorithms._checkpoint",
-                 "experimental._attention", "_parse_to", "_run_exitfuncs", "_fixtureinfo")
+                 "experimental._attention", "_parse_to", "_run_exitfuncs", "_register_atexit", "_fixtureinfo")
 
 __all__ = ["CHECKED_TORCH", "PRIVATE_NAMES", "PrivateAPIError", "apply_activation_checkpointing", "clone_default_store",
            "composable_checkpoint", "fixture_argnames", "flatten_mesh", "fsdp_param_records", "has_unshard_async",
-           "pending_gradient", "run_exit_functions", "set_pending_gradient", "set_rotate_method", "set_unshard_async",
-           "to_call_device"]
+           "pending_gradient", "run_before_threads_join", "run_exit_functions", "set_pending_gradient",
+           "set_rotate_method", "set_unshard_async", "to_call_device"]

@@ -39,6 +39,7 @@ from hasten.base.dataclasses import (
 from hasten.base.fp8 import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
 from hasten.base.imports import is_compiled_module
 from hasten.base.modeling import extract_model_from_parallel
+from hasten.checkpointing.at_exit import wait_with_notice
 from hasten.config import env as hasten_env
 from hasten.config.schema import LaunchConfig
 from hasten.connector import apply_config_file, build_parts, resolve_settings
@@ -470,8 +471,9 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
 
     def end_training(self) -> None:
         """Finish the trackers and tear down the process group (call it on every process at the end)."""
-        self.wait_for_checkpoint()  # an asynchronous save in flight is published (or its failure raised) first
         if self._background_saver is not None:
+            # an asynchronous save in flight is published (or its failure raised) first, with a notice
+            wait_with_notice(self._background_saver, "training ends")
             self._background_saver.release()  # the asynchronous saves' staging buffers (host memory)
         self._finish_trackers()
         self._strategy.teardown()

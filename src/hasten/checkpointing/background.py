@@ -19,7 +19,8 @@ a background thread (one per process):
 Until step 3 the previous checkpoint is untouched, so a crash or ``kill -9`` at any moment leaves it
 loadable, never a half one. At most one save is in flight: the next ``save_state``, ``load_state``,
 ``wait_for_checkpoint`` and ``end_training`` wait for it, and raise its failure (the same message on
-every process, naming the process and the file).
+every process, naming the process and the file). So does every way out of the process
+(:mod:`hasten.checkpointing.at_exit`): a script may end with the save in flight.
 
 Sharded checkpoints (DCP folders, :mod:`hasten.checkpointing.dcp`) are staged the same way: each
 process's local shards are copied (DTensors of the same spec over host copies) and
@@ -46,7 +47,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from hasten.checkpointing import sealing
+from hasten.checkpointing import at_exit, sealing
 from hasten.checkpointing.staging import StagingBuffers
 from hasten.exceptions import CheckpointError
 
@@ -271,6 +272,7 @@ class BackgroundSaver:
         self.buffers = StagingBuffers()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.publication: Publication | None = None  # of the latest save (for the notice at exit)
 
     def submit(self, snapshot: Snapshot, pub: Publication) -> None:
         """Finish ``snapshot`` in a background thread (call :meth:`wait` first)."""
@@ -282,7 +284,10 @@ class BackgroundSaver:
             except BaseException as exc:  # noqa: BLE001 - raised by wait() on the calling thread
                 self._error = exc  # the staging folder stays; the next save removes it, no load accepts it
 
-        # Not a daemon: the interpreter waits for it at exit, so a started save is never cut short.
+        # Not a daemon, and every way out of the process waits for it first (hasten.checkpointing.at_exit),
+        # so a started save is never cut short.
+        self.publication = pub
+        at_exit.track(self)
         self._thread = threading.Thread(target=run, name="hasten-async-save", daemon=False)
         self._thread.start()
 

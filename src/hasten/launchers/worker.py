@@ -1,8 +1,9 @@
 """The entry point ``hasten launch`` gives each worker: run the user's script, then leave cleanly.
 
 ``python -m hasten.launchers.worker [--module] TARGET ARGS...`` runs ``TARGET`` exactly as
-``python TARGET ARGS`` (or ``python -m TARGET``) would, then runs the interpreter's exit handlers
-(trackers finishing, hasten's process-group teardown, logging) and ends the process with the script's
+``python TARGET ARGS`` (or ``python -m TARGET``) would, then finishes an asynchronous save still in
+flight (a failed one makes the exit status 1), runs the interpreter's exit handlers (trackers
+finishing, hasten's process-group teardown, logging) and ends the process with the script's
 exit code *without* interpreter finalization. Finalization is where gloo aborts a finished run
 ("terminate called without an active exception") when objects that hold the process group (DDP
 reducers, FSDP2 meshes, DeepSpeed engines) are destroyed after it; skipping it makes a successful
@@ -68,6 +69,16 @@ def run_target(target: str, args: list[str], as_module: bool) -> int:
     return 0
 
 
+def _async_save_failed() -> bool:
+    """Finish an asynchronous save the script left in flight (before the ``atexit`` teardown of its group).
+
+    The interpreter's own exit, which does that in ``python script.py``, is skipped here. True when the
+    save failed (its error is printed by every process).
+    """
+    at_exit = sys.modules.get("hasten.checkpointing.at_exit")  # not imported: the script never saved
+    return at_exit is not None and at_exit.finish_saves() is not None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the worker described by ``argv`` and exit with its status."""
     die_with_parent(os.getppid())
@@ -93,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     store = bind_worker_store(os.environ) or mpi_worker_store(os.environ)  # noqa: F841 - kept alive while the script runs
     install_unless_real_accelerate()  # a Trainer/TRL/PEFT script runs unchanged without Accelerate installed
     code = run_target(argv[0], argv[1:], as_module)
+    if _async_save_failed() and code == 0:
+        code = 1
     run_exit_functions()  # trackers, hasten's teardown, logging.shutdown: everything exit would run
     sys.stdout.flush()
     sys.stderr.flush()
