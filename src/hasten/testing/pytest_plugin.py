@@ -38,6 +38,20 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Point the default configuration files at an empty folder for the session.
+
+    A bare ``Accelerator()`` (plain ``python``, ``torchrun``, forked test ranks) reads the default
+    ``hasten config`` / ``accelerate config`` file, so a developer's own file would change what the suite runs.
+    ``HF_HOME`` is Accelerate's location; the tests make their models from configs and never read its cache.
+    Tests that need a file name it (``HASTEN_HOME``/``ACCELERATE_CONFIG_FILE`` through ``monkeypatch``).
+    """
+    home = tempfile.mkdtemp(prefix="hasten-test-home-")
+    os.environ["HASTEN_HOME"] = os.path.join(home, "hasten")
+    os.environ["HF_HOME"] = os.path.join(home, "huggingface")
+    os.environ.pop("ACCELERATE_CONFIG_FILE", None)
+
+
 @pytest.fixture(autouse=True)
 def _hasten_clean_state() -> Any:
     """Each test starts and ends with no shared hasten state and no process group in the parent."""
