@@ -41,10 +41,13 @@ class PreemptionMixin(AcceleratorBase):
         """True on every process once the run was asked to stop (hasten; not in Accelerate).
 
         After ``hasten launch``'s preemption signal (SIGTERM by default) reaches any process, every
-        process finishes the same optimizer step ``S`` and this becomes True right after it. With
+        process finishes the same optimizer step ``S`` and this becomes True right after it (in
+        evaluation, with no step, before the same Accelerator collective on every process). With
         ``ProjectConfiguration(automatic_checkpoint_naming=True)`` hasten saves and exits by itself at
-        the next batch; otherwise check it at the end of the loop body (after ``optimizer.step()``,
-        ``scheduler.step()`` and ``zero_grad()``), so the saved data position is exact.
+        the next batch of a prepared loader (without one: the next model forward, step or collective);
+        otherwise check it at the end of the loop body (after ``optimizer.step()``,
+        ``scheduler.step()`` and ``zero_grad()``), so the saved data position is exact. A loop that
+        does neither exits there with code 75 and no checkpoint.
 
         Example:
             >>> for batch in loader:
@@ -70,8 +73,9 @@ class PreemptionMixin(AcceleratorBase):
             return this is not None and this.gradient_state.in_dataloader
 
         def watch_forwards() -> list[Any]:  # installed only once a boundary is due: free on normal steps
-            this = accelerator()
-            return [model.register_forward_pre_hook(_before_forward) for model in (this._models if this else [])]
+            this = accelerator()  # prepend: before FSDP's or DeepSpeed's own pre-forward gathers the parameters
+            return [model.register_forward_pre_hook(_before_forward, prepend=True)
+                    for model in (this._models if this else [])]
 
         process_group.watch_preemption(hasten_env.preemption_signal(), stop_action, hasten_env.preemption_dir(),
                                        in_loader=in_loader, watch_forwards=watch_forwards)
