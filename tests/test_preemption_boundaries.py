@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import PREEMPTED_EXIT_CODE, Accelerator, ProjectConfiguration
 from hasten.environments import preemption
@@ -91,6 +92,34 @@ def test_a_loop_without_a_loader_saves_at_the_next_forward_and_resumes_exactly(t
         assert len(first) == ends[0][1]  # stopped before the forward that follows step S
         assert first + rest == full_losses  # the same batches, the same dropout, the same results
         assert end[0] == "done" and all(torch.equal(a, b) for a, b in zip(full_end[1], end[1]))
+
+
+def _loader_loop_with_a_gather():
+    """A prepared loader and a collective after every step: the loader's next batch stays the boundary."""
+    accelerator = Accelerator()
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(400, 4, generator=torch.Generator().manual_seed(2))), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    gathered = 0
+    try:
+        for index, (x,) in enumerate(loader):
+            accelerator.backward(model(x).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            accelerator.gather(x)
+            gathered += 1
+            if index == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                _wait_until_learned()
+    except preemption.Preempted as exc:
+        return exc.code, preemption.PREEMPTION.steps, gathered
+    return "the loop ran to its end"
+
+
+def test_with_a_prepared_loader_the_collective_after_step_s_is_not_the_boundary():
+    # Signalled after step 3: S = 4, and the gather that follows step 4 still runs before the next batch stops it.
+    assert run_on_ranks(_loader_loop_with_a_gather, world_size=1) == [(PREEMPTED_EXIT_CODE, 4, 4)]
 
 
 def _evaluation(kill_at: int, polls: bool):

@@ -11,7 +11,8 @@ The protocol (no store round trip or collective on a normal step):
    then reads the main thread's count of optimizer steps ``c_r`` and posts it; once every rank posted,
    the stop step is ``S = max(c_r) + 1``.
 3. The main thread counts optimizer steps (one increment) and reads ``pending`` (one attribute read)
-   after each; only when it is set does it wait for ``S``. Because ``pending`` is set before ``c_r``
+   before and after each, and counts the Accelerator collectives it enters the same way (``calls``);
+   only when ``pending`` is set does it wait for ``S``. Because ``pending`` is set before ``c_r``
    is read, a rank's main thread checks ``pending`` at every step after ``c_r``, so it cannot pass
    ``S >= c_r + 1`` unseen; and the posts come from the watchers, never from a main thread, so a main
    thread waiting for ``S`` (or blocked in a collective behind a waiting peer) cannot hold them up.
