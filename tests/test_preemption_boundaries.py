@@ -160,6 +160,39 @@ def test_evaluation_that_polls_the_flag_sees_it_at_the_same_batch_on_every_rank(
     assert all(end[0] == "requested" for end in ends) and ends[0][1:] == ends[1][1:] and ends[0][1] > 3, ends
 
 
+def _evaluate_a_loader(project: str, kill_at: int | None, resume: bool):
+    """Evaluation over a prepared loader with automatic naming; returns the sample ids gathered and how it ended."""
+    preemption.NO_STEP_SECONDS, preemption.POLL_SECONDS = 0.2, 0.05  # this forked rank only
+    accelerator = Accelerator(project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True))
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.arange(2_000.0).unsqueeze(1)), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if resume:
+        accelerator.load_state()
+    seen: list[float] = []
+    try:
+        for index, (x,) in enumerate(loader):
+            with torch.no_grad():
+                model(x)
+            seen += accelerator.gather_for_metrics(x).flatten().tolist()
+            if index == kill_at and accelerator.process_index == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+    except preemption.Preempted as exc:
+        return seen, ("stopped", exc.code, preemption.PREEMPTION.calls)
+    return seen, ("done",)
+
+
+def test_evaluation_over_a_loader_saves_its_position_and_the_resume_sees_the_rest(tmp_path):
+    stopped = run_on_ranks(_evaluate_a_loader, world_size=2, args=(str(tmp_path), 3, False))
+    assert all(end[:2] == ("stopped", PREEMPTED_EXIT_CODE) for _, end in stopped), [end for _, end in stopped]
+    assert stopped[0] == stopped[1]  # the same samples seen, the same collective count at the stop
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_0"]
+    resumed = run_on_ranks(_evaluate_a_loader, world_size=2, args=(str(tmp_path), None, True))
+    first, rest = stopped[0][0], resumed[0][0]
+    assert len(first) < 2_000 and first + rest == [float(i) for i in range(2_000)]  # every sample exactly once
+
+
 # Run by `hasten launch`: "train" steps on plain tensors (no loader), "evaluate" gathers without steps. Neither has
 # automatic checkpoint naming or reads `preemption_requested`. Rank 0 creates MARKER, then waits (bounded) until its
 # watcher learned of the signal that the test sends on seeing the file.

@@ -195,7 +195,8 @@ PREEMPTION = _Preemption()
 
 def stop_point() -> str:
     """Where every rank stopped, for the log lines (``after optimizer step 12``)."""
-    return f"after optimizer step {PREEMPTION.steps}{PREEMPTION.stop_note}"
+    where = f"after optimizer step {PREEMPTION.steps}" if PREEMPTION.steps else "before any optimizer step"
+    return where + PREEMPTION.stop_note
 
 
 def finish(target: Any, *, rank: int) -> None:
