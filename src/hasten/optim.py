@@ -159,6 +159,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         """
         if not self.gradient_state.sync_gradients:
             return None
+        if _PREEMPTION.pending:  # preemption: after step S, outside a loader pass, the next step is a boundary
+            _PREEMPTION.before_step()
         losses: list[Any] = []
         if closure is None:
             self._is_overflow = not self._step(self.optimizer)

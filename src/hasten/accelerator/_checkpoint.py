@@ -17,6 +17,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hasten.accelerator._base import AcceleratorBase
+from hasten.accelerator._preemption import no_stop_inside
 from hasten.checkpointing import write_model_files
 from hasten.checkpointing.manager import CheckpointManager, Ranks, TrainingObjects
 from hasten.state_helpers import writes_shared_files
@@ -46,6 +47,7 @@ class CheckpointMixin(AcceleratorBase):
     def _background_saver(self) -> Any:  # the asynchronous saves' keeper (None before the first); benchmarks poll it
         return self._checkpoints.background if self._checkpoints is not None else None
 
+    @no_stop_inside
     def save_state(self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True,
                    *, async_save: bool = False, **save_model_func_kwargs: Any) -> Path:
         """Save models, optimizers, schedulers, data loaders, scaler, RNGs and registered objects.
@@ -75,6 +77,7 @@ class CheckpointMixin(AcceleratorBase):
     def _writes_shared_files(self) -> bool:
         return writes_shared_files(self.project_configuration.save_on_each_node)  # the one rule (state_helpers)
 
+    @no_stop_inside
     def load_state(self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None,
                    **load_model_func_kwargs: Any) -> Path:
         """Restore what :meth:`save_state` saved; every file is checked before anything changes.
@@ -107,6 +110,7 @@ class CheckpointMixin(AcceleratorBase):
         """The model's full state dict (unwrapped: no ``module.`` prefix). Call it on every process."""
         return self._strategy.model_state_dict(model, unwrap=unwrap)
 
+    @no_stop_inside
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike[str],
                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
         """Save the model's weights: ``model.safetensors``, or shards + ``model.safetensors.index.json``.

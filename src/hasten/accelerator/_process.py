@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hasten.accelerator._base import AcceleratorBase
+from hasten.environments.preemption import PREEMPTION as _PREEMPTION
 from hasten.state import AcceleratorState
 
 
@@ -52,6 +53,7 @@ class ProcessControlMixin(AcceleratorBase):
 
     def wait_for_everyone(self) -> None:
         """Barrier across all processes (a no-op with one). Every process must call it."""
+        _PREEMPTION.before_call("wait_for_everyone")  # a preemption boundary in loops without steps
         self.state.wait_for_everyone()
 
     @contextmanager

@@ -11,26 +11,38 @@ The protocol (no store round trip or collective on a normal step):
    then reads the main thread's count of optimizer steps ``c_r`` and posts it; once every rank posted,
    the stop step is ``S = max(c_r) + 1``.
 3. The main thread counts optimizer steps (one increment) and reads ``pending`` (one attribute read)
-   after each; only when it is set does it wait for ``S``. Because ``pending`` is set before ``c_r``
+   before and after each, and counts the Accelerator collectives it enters the same way (``calls``);
+   only when ``pending`` is set does it wait for ``S``. Because ``pending`` is set before ``c_r``
    is read, a rank's main thread checks ``pending`` at every step after ``c_r``, so it cannot pass
    ``S >= c_r + 1`` unseen; and the posts come from the watchers, never from a main thread, so a main
    thread waiting for ``S`` (or blocked in a collective behind a waiting peer) cannot hold them up.
 4. After optimizer step ``S`` every rank sets :attr:`_Preemption.requested`
-   (``Accelerator.preemption_requested``). With automatic checkpoint naming, the prepared data loader's
-   next batch is the boundary: before handing it out, every rank saves the state (the loader position
-   excludes that batch), rank 0 logs one line, SLURM jobs are requeued, the group ends and the process
-   exits with :data:`PREEMPTED_EXIT_CODE`.
+   (``Accelerator.preemption_requested``) and the next *boundary* stops it: the prepared data loader's
+   next batch when a loader pass is in progress at ``S`` (the loader position then excludes that batch),
+   otherwise the next forward of a prepared model, the next optimizer step or the next Accelerator
+   collective, whichever comes first. There, with automatic checkpoint naming, every rank saves the
+   state, rank 0 logs one line, SLURM jobs are requeued, the group ends and the process exits with
+   :data:`PREEMPTED_EXIT_CODE`; a loop that neither has automatic naming nor reads
+   ``preemption_requested`` exits the same way with a line saying that no checkpoint was written.
+5. Loops without optimizer steps (evaluation): when this rank has not stopped :data:`NO_STEP_SECONDS`
+   after the decision, its watcher publishes ``.../idle``; every watcher then sets
+   :attr:`_Preemption.calls_pending` first, reads its main thread's count of Accelerator collectives
+   ``k_r`` and posts it, and ``C = max(k_r) + 1``. Every rank stops *before* entering its collective
+   ``C`` (so no rank waits in it for one that stopped), unless step ``S`` came first. Both counts run
+   along the same sequence of steps and collectives on every rank, so "whichever comes first" is the
+   same point everywhere, and ``C`` is beyond every rank's position when it is decided.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +53,9 @@ PREEMPTED_EXIT_CODE = 75
 POLL_SECONDS = 1.0
 #: How long a rank waits for every rank's step count before it gives up stopping (a rank is gone).
 DECIDE_TIMEOUT = timedelta(seconds=60)
+#: A rank not stopped this long after the stop step was decided (evaluation, a loop without optimizer
+#: steps) makes every rank agree on a collective to stop at instead (step 5 above).
+NO_STEP_SECONDS = 5.0
 _KEY = "hasten_preempt"
 
 logger = logging.getLogger("hasten.preemption")
@@ -51,24 +66,35 @@ class Preempted(SystemExit):
 
 
 class _Preemption:
-    """This process's preemption state. ``steps``/``pending``/``requested`` are the hot-path fields."""
+    """This process's preemption state. ``steps``/``calls``/``pending``/``save_due`` are the hot-path fields."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         """Forget any request (tests, ``reset_state``); the signal handler is left in place."""
-        self.pending = False  # the one flag read after every optimizer step
-        self.requested = False  # True from the end of step S on (Accelerator.preemption_requested)
+        self.pending = False  # the one flag read at every optimizer step and collective
+        self.requested = False  # True from the stop point on (Accelerator.preemption_requested)
         self.acknowledged = False  # the script read `preemption_requested` at least once
-        self.save_due = False  # the data loader's one flag: an automatic checkpoint is due at its next batch
+        self.save_due = False  # a boundary is due: the loader's next batch, or (outside_loader) the next call
+        self.outside_loader = False  # no loader pass was in progress at the stop: forward/step/collective stop
+        self.done = False  # this rank reached its boundary (at_boundary ran)
+        self.holding = 0  # inside save_state/load_state/save_model or at_boundary: no boundary there
         self.steps = 0  # optimizer steps done by the main thread
+        self.calls = 0  # Accelerator collectives entered by the main thread
         self.stop_step: int | None = None
+        self.calls_pending = False  # the watchers agree on a collective to stop at (no step came)
+        self.stop_call: int | None = None
+        self.stop_note = ""  # how the stop point was found, for the log line
         self.signal_name: str | None = None
         self.signal_time: float | None = None  # time.time() when this rank got the signal or learned of it
         self.signalled = False  # set by the signal handler (with a byte to the wake-up pipe, never a lock)
         self.decided = threading.Event()  # set by the watcher once stop_step is known
+        self.calls_decided = threading.Event()  # set by the watcher once stop_call is known
         self.stop_action: Callable[[], Any] | None = None
+        self.in_loader: Callable[[], bool] | None = None  # a prepared data loader pass is in progress
+        self.watch_forwards: Callable[[], list[Any]] | None = None  # forward pre-hooks on the models (handles)
+        self.hooks: list[Any] = []
         self.end_group: Callable[[], None] | None = None
         self.exit_code = PREEMPTED_EXIT_CODE
         self.marker_dir: str | None = None
@@ -83,46 +109,119 @@ class _Preemption:
             self.pending = False
             return
         if self.stop_step is not None and self.steps >= self.stop_step and not self.requested:
-            self.requested = True
-            self.save_due = True
-            if self.marker_dir and self.acknowledged:  # a loop that saves by itself: hasten launch reports the stop
-                _write_marker(self.marker_dir, self.rank, "(saved by the script)")
+            self._stop_here()
+
+    def before_step(self) -> None:
+        """Called before an optimizer step while ``pending``: the boundary after ``S`` outside a loader."""
+        if self.save_due and self.outside_loader and not self.holding:
+            self.at_boundary()
+
+    def before_call(self, name: str) -> None:
+        """Count an Accelerator collective (``name``) about to start; stop before it when it is a boundary."""
+        self.calls += 1
+        if not self.pending or self.holding or self.done:
+            return
+        if self.save_due and self.outside_loader:
+            self.at_boundary()
+            return
+        if not self.calls_pending:
+            return
+        if self.stop_call is None and not self.calls_decided.wait(DECIDE_TIMEOUT.total_seconds()):
+            logger.warning("hasten: preemption requested but not every rank posted its collective count within "
+                           "%.0f s; the run goes on (a rank may be gone)", DECIDE_TIMEOUT.total_seconds())
+            self.calls_pending = False
+            return
+        if self.stop_call is None or self.calls < self.stop_call:
+            return
+        self.calls_pending = False
+        if not self.requested:
+            self.stop_note = (f", at the same {name} call (no optimizer step came within {NO_STEP_SECONDS:g} s "
+                              "of the decision)")
+            self._stop_here()
+        elif self.save_due and not (self.in_loader is not None and self.in_loader()):
+            self.outside_loader = True  # stopped at S, then no batch came: this call is the boundary
+        if self.save_due and self.outside_loader:
+            self.at_boundary()
+
+    def before_forward(self) -> None:
+        """A prepared model's forward pre-hook, installed only once a boundary is due outside a loader."""
+        if self.save_due and self.outside_loader and not self.holding:
+            self.at_boundary()
+
+    def _stop_here(self) -> None:
+        """Every rank is at the stop point: raise the flags and choose where the boundary is."""
+        self.requested = True
+        self.save_due = True
+        self.outside_loader = not (self.in_loader is not None and self.in_loader())
+        if self.outside_loader and self.watch_forwards is not None:
+            self.hooks = self.watch_forwards()
+        if self.marker_dir and self.acknowledged:  # a loop that saves by itself: hasten launch reports the stop
+            _write_marker(self.marker_dir, self.rank, "(saved by the script)")
 
     def at_boundary(self) -> None:
-        """Called by a prepared data loader before its next batch while ``save_due``: checkpoint and exit.
+        """At the boundary (a prepared loader's next batch, or the next call outside one): checkpoint and exit.
 
         Without automatic checkpoint naming the user's loop decides (``preemption_requested``); a loop
-        that never asked gets the signal's own effect back (the process ends as it would have).
+        that never asked ends here with :data:`PREEMPTED_EXIT_CODE` and a line saying so, with no checkpoint.
         """
         self.save_due = False
-        action = self.stop_action
-        target = action() if action is not None else None
-        if target is not None:
-            finish(target, rank=self.rank)
-        if not self.acknowledged:
-            logger.warning("hasten: %s received but the script has no automatic checkpoint naming and never reads "
-                           "accelerator.preemption_requested: ending the process as the signal would",
-                           self.signal_name)
-            sig = _RUNNING["handled"][0] if _RUNNING["handled"] else signal.SIGTERM
-            disarm()
-            os.kill(os.getpid(), sig)
+        self.done = True
+        self.holding += 1  # the save's own collectives are no boundary
+        try:
+            for handle in self.hooks:
+                handle.remove()
+            self.hooks = []
+            action = self.stop_action
+            target = action() if action is not None else None
+            if target is not None:
+                finish(target, rank=self.rank)
+            if not self.acknowledged:
+                finish(None, rank=self.rank)
+        finally:
+            self.holding -= 1
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """No boundary inside this block (a save or load in progress: a checkpoint must not nest in it)."""
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
 
 
 PREEMPTION = _Preemption()
 
 
+def stop_point() -> str:
+    """Where every rank stopped, for the log lines (``after optimizer step 12``)."""
+    where = f"after optimizer step {PREEMPTION.steps}" if PREEMPTION.steps else "before any optimizer step"
+    return where + PREEMPTION.stop_note
+
+
 def finish(target: Any, *, rank: int) -> None:
-    """After the preemption checkpoint: log, mark, requeue (SLURM), end the group and raise :class:`Preempted`."""
+    """After the stop point: log, mark, requeue (SLURM, when a checkpoint was saved), end the group, exit.
+
+    ``target`` is the checkpoint saved, or None when none could be (the line then says so).
+
+    Raises:
+        Preempted: always, with the worker's exit code.
+    """
     from hasten.environments.slurm import requeue_job
 
     state = PREEMPTION
     took = time.time() - (state.signal_time or time.time())
     if rank == 0:
-        print(f"hasten: preempted by {state.signal_name or 'a signal'}: every rank stopped after optimizer step "
-              f"{state.stop_step}; checkpoint {target} saved {took:.1f} s after the signal", flush=True)
+        if target is None:
+            print(f"hasten: preempted by {state.signal_name or 'a signal'}: every rank stopped {stop_point()}, "
+                  f"{took:.1f} s after the signal; no checkpoint was written (the script has no automatic checkpoint "
+                  "naming and never reads accelerator.preemption_requested)", flush=True)
+        else:
+            print(f"hasten: preempted by {state.signal_name or 'a signal'}: every rank stopped {stop_point()}; "
+                  f"checkpoint {target} saved {took:.1f} s after the signal", flush=True)
     if state.marker_dir:  # hasten launch's agent turns these into its own exit status
-        _write_marker(state.marker_dir, rank, target)
-    if rank == 0:
+        _write_marker(state.marker_dir, rank, "" if target is None else target)
+    if rank == 0 and target is not None:  # without a checkpoint a requeued job would only start over
         message = requeue_job(os.environ)
         if message:
             print(f"hasten: {message}", flush=True)
@@ -132,10 +231,11 @@ def finish(target: Any, *, rank: int) -> None:
 
 
 def _write_marker(folder: str, rank: int, target: Any) -> None:
+    """``rank<r>`` in ``folder``: three lines, the signal's time, where the ranks stopped, the checkpoint."""
     path = os.path.join(folder, f"rank{rank}")
     try:
         with open(path + ".tmp", "w") as f:
-            f.write(f"{PREEMPTION.signal_time or time.time()} {PREEMPTION.stop_step} {target}\n")
+            f.write(f"{PREEMPTION.signal_time or time.time()}\n{stop_point()}\n{target}\n")
         os.replace(path + ".tmp", path)
     except OSError as exc:
         logger.warning("hasten: cannot write the preemption marker %s: %s", path, exc)
@@ -154,22 +254,28 @@ class _Watcher(threading.Thread):
     def run(self) -> None:
         state = PREEMPTION
         try:
-            while not self.stopped.is_set():
-                if _wait_for_signal(state, POLL_SECONDS):
-                    if self.store is not None:
-                        self.store.set(f"{self.prefix}/request", f"{self.rank} {state.signal_name}")
-                    break
-                if self.store is not None and self.store.check([f"{self.prefix}/request"]):
-                    who, _, name = self.store.get(f"{self.prefix}/request").decode().partition(" ")
-                    state.signal_name = state.signal_name or f"{name} (on rank {who})"
-                    state.signal_time = state.signal_time or time.time()
-                    break
-            else:
+            if not self._learn(state):
                 return
             self._decide(state)
+            if self._no_stop_in_time(state):
+                self._decide_call(state)
         except Exception as exc:  # noqa: BLE001 - the store is gone (run ending): nothing left to coordinate
             if not self.stopped.is_set():
                 logger.debug("hasten: preemption watcher stopped: %s", exc)
+
+    def _learn(self, state: _Preemption) -> bool:
+        """Wait for this rank's signal (then publish it) or another rank's; False when stopped first."""
+        while not self.stopped.is_set():
+            if _wait_for_signal(state, POLL_SECONDS):
+                if self.store is not None:
+                    self.store.set(f"{self.prefix}/request", f"{self.rank} {state.signal_name}")
+                return True
+            if self.store is not None and self.store.check([f"{self.prefix}/request"]):
+                who, _, name = self.store.get(f"{self.prefix}/request").decode().partition(" ")
+                state.signal_name = state.signal_name or f"{name} (on rank {who})"
+                state.signal_time = state.signal_time or time.time()
+                return True
+        return False
 
     def _decide(self, state: _Preemption) -> None:
         state.pending = True  # first: from here on the main thread checks after every step
@@ -182,6 +288,37 @@ class _Watcher(threading.Thread):
             self.store.wait(keys, DECIDE_TIMEOUT)
             state.stop_step = max(int(self.store.get(k)) for k in keys) + 1
         state.decided.set()
+
+    def _no_stop_in_time(self, state: _Preemption) -> bool:
+        """True once some rank was not stopped :data:`NO_STEP_SECONDS` after the decision (``.../idle``).
+
+        A rank that stopped (or whose loop was told and reads ``preemption_requested``) does not start
+        that round, but keeps answering: the others may still need its count of collectives.
+        """
+        key = f"{self.prefix}/idle"
+        deadline = time.monotonic() + NO_STEP_SECONDS
+        while not self.stopped.is_set():
+            if self.store is not None and self.store.check([key]):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 and not state.done and not (state.requested and state.acknowledged):  # else the loop decides
+                if self.store is not None:
+                    self.store.set(key, str(self.rank))
+                return True
+            self.stopped.wait(POLL_SECONDS if left <= 0 else min(POLL_SECONDS, left))
+        return False
+
+    def _decide_call(self, state: _Preemption) -> None:
+        state.calls_pending = True  # first: from here on the main thread checks before every collective
+        mine = state.calls
+        if self.store is None:
+            state.stop_call = mine + 1
+        else:
+            self.store.set(f"{self.prefix}/calls/{self.rank}", str(mine))
+            keys = [f"{self.prefix}/calls/{r}" for r in range(self.world)]
+            self.store.wait(keys, DECIDE_TIMEOUT)
+            state.stop_call = max(int(self.store.get(k)) for k in keys) + 1
+        state.calls_decided.set()
 
 
 _RUNNING: dict[str, Any] = {"watcher": None, "handled": None}
@@ -249,16 +386,21 @@ def signal_number(name: str | None) -> signal.Signals:
 
 def arm(*, store: Any, rank: int, world: int, signal_name: str | None, env: Mapping[str, str],
         stop_action: Callable[[], Any] | None, marker_dir: str | None,
-        end_group: Callable[[], None] | None = None) -> bool:
+        end_group: Callable[[], None] | None = None, in_loader: Callable[[], bool] | None = None,
+        watch_forwards: Callable[[], list[Any]] | None = None) -> bool:
     """Install the signal handler and start this rank's watcher (once per run); True when armed now.
 
     ``store`` is a handle for the watcher's thread alone (None with one process), ``stop_action``
     saves the automatic checkpoint and returns its folder (or None when the run has none),
     ``marker_dir`` is where ``hasten launch`` looks for the workers that stopped (None outside it),
-    ``end_group`` ends the process group before the process exits.
+    ``end_group`` ends the process group before the process exits, ``in_loader`` tells whether a
+    prepared data loader pass is in progress, and ``watch_forwards`` puts a forward pre-hook calling
+    :meth:`_Preemption.before_forward` on the prepared models and returns the handles.
     """
     state = PREEMPTION
     state.stop_action = stop_action
+    state.in_loader = in_loader
+    state.watch_forwards = watch_forwards
     state.end_group = end_group
     state.marker_dir = marker_dir
     state.rank = rank
@@ -287,4 +429,5 @@ def disarm() -> None:
         signal.signal(handled[0], handled[1])
 
 
-__all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTION", "Preempted", "arm", "disarm", "finish", "signal_number"]
+__all__ = ["NO_STEP_SECONDS", "PREEMPTED_EXIT_CODE", "PREEMPTION", "Preempted", "arm", "disarm", "finish",
+           "signal_number", "stop_point"]

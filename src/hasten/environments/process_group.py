@@ -113,11 +113,12 @@ def forget_hooks() -> None:
 
 
 def watch_preemption(signal_name: str | None, stop_action: Callable[[], Any] | None,
-                     marker_dir: str | None = None) -> bool:
+                     marker_dir: str | None = None, **boundaries: Any) -> bool:
     """Stop every rank at the same step on ``signal_name`` (SIGTERM by default); see :mod:`.preemption`.
 
     The watcher thread gets its own handle on the group's store (none with one process) and is stopped
-    by :func:`end_group` before the store goes away. True when armed by this call.
+    by :func:`end_group` before the store goes away. ``boundaries`` (``in_loader``, ``watch_forwards``)
+    go to :func:`.preemption.arm`. True when armed by this call.
     """
     store, rank, world = None, 0, 1
     if group_running() and dist.get_world_size() > 1:
@@ -126,7 +127,7 @@ def watch_preemption(signal_name: str | None, stop_action: Callable[[], Any] | N
             return False  # no second handle: preemption cannot be coordinated, the signal keeps its default
     return preemption.arm(store=store, rank=rank, world=world, signal_name=signal_name, env=os.environ,
                           stop_action=stop_action, marker_dir=marker_dir,
-                          end_group=lambda: end_group(quiet=True))
+                          end_group=lambda: end_group(quiet=True), **boundaries)
 
 
 def watch_run(bound: timedelta, *, owned: bool) -> None:

@@ -198,23 +198,26 @@ def _closed_rendezvous(plan: LaunchPlan, watch: ElasticWatch | None) -> int:
 
 
 def _report_preemption(folder: str, nproc: int, started: float) -> bool:
-    """True when every local worker stopped for preemption after its checkpoint; logs signal-to-exit time.
+    """True when every local worker stopped for preemption; logs where, the checkpoint and signal-to-exit time.
 
-    Each worker's marker holds the time it got (or learned of) the signal, the stop step and the folder.
+    Each worker's marker holds three lines: the time it got (or learned of) the signal, where every
+    rank stopped, and the checkpoint folder (empty when the script could not save one).
     """
     found = []
     for name in os.listdir(folder):
         if name.startswith("rank") and not name.endswith(".tmp"):
             with open(os.path.join(folder, name)) as f:
-                found.append(f.read().split(" ", 2))
+                found.append((f.read().split("\n") + ["", ""])[:3])
     if len(found) < nproc:
         return False
     signalled = min(float(parts[0]) for parts in found)
-    step, target = found[0][1], found[0][2].strip()
-    print(f"hasten launch: preempted: every worker stopped after optimizer step {step} with checkpoint {target}; "
+    where, target = found[0][1], found[0][2].strip()
+    saved = f"with checkpoint {target}" if target else "without a checkpoint"
+    then = ("relaunch to resume (Accelerator.load_state() loads the newest checkpoint)" if target else
+            "the script saved nothing, so a relaunch starts it over")
+    print(f"hasten launch: preempted: every worker stopped {where} {saved}; "
           f"{time.time() - max(signalled, started):.1f} s from the signal to the exit. Exit code "
-          f"{PREEMPTED_EXIT_CODE}: relaunch to resume (Accelerator.load_state() loads the newest checkpoint).",
-          file=sys.stderr, flush=True)
+          f"{PREEMPTED_EXIT_CODE}: {then}.", file=sys.stderr, flush=True)
     return True
 
 
