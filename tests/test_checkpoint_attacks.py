@@ -563,3 +563,14 @@ def test_a_tampered_number_is_refused_quickly_on_every_rank_and_changes_nothing(
     assert f"{file}" in error0 and __import__("re").search(expected, error0), error0
     assert unchanged0 and unchanged1, "the failed load changed the live state"
     assert max(elapsed0, elapsed1) < 20, results  # seconds, not minutes (a crafted count sized lists before)
+
+
+@pytest.mark.parametrize("field,value", [("scale", -1.0), ("scale", float("nan")), ("growth_factor", 0.5),
+                                         ("backoff_factor", 2.0), ("growth_interval", 0), ("_growth_tracker", -1)])
+def test_a_tampered_loss_scaler_state_is_refused_naming_the_field(tmp_path, field, value):
+    from hasten.checkpointing.restore_checks import check_scaler_state
+
+    state = torch.amp.GradScaler("cpu", init_scale=2.0**16).state_dict()
+    check_scaler_state(state, tmp_path / "scaler.pt")  # the genuine state passes
+    with pytest.raises(CheckpointError, match=rf"scaler.pt: field '{field}' = {value!r}"):
+        check_scaler_state({**state, field: value}, tmp_path / "scaler.pt")
