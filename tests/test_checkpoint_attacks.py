@@ -534,7 +534,8 @@ TAMPERED = [  # file, field, value, what the message must say besides the file
     ("hasten_checkpoint.json", "num_processes", -2, r"'num_processes' = -2 is not a process count"),
     ("hasten_checkpoint.json", "num_processes", "2", r"'num_processes' = '2' is not a process count"),
     ("hasten_checkpoint.json", "num_processes", 2.0, r"'num_processes' = 2.0 is not a process count"),
-    ("hasten_checkpoint.json", "num_processes", 3, r"'num_processes' = 3 does not match the random generator files"),
+    ("hasten_checkpoint.json", "num_processes", 1, r"'num_processes' = 1 does not cover the random generator files"
+                                                    r" it lists \(random_states_1.pkl"),
     ("dataloader_state.bin", "samples_yielded", -8, r"'samples_yielded' = -8 is not a sample count"),
     ("dataloader_state.bin", "samples_yielded", 1000, r"'samples_yielded' = 1000 lies beyond the end of the epoch"),
     ("dataloader_state.bin", "samples_yielded", "8", r"'samples_yielded' = '8' \(str\) is not a sample count"),
