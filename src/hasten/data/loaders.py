@@ -321,15 +321,8 @@ class ResumableMixin:
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless :meth:`load_state_dict` would accept ``state_dict`` (every field in
         range, :func:`~hasten.data.saved_state.check_saved_fields`); changes nothing."""
-        states = state_dict.get("generator_states", [])
-        generators = self._generators()
-        if isinstance(states, (list, tuple)) and len(states) != len(generators):
-            raise ValueError(
-                f"This data loader state holds {len(states)} generator state(s) but the loader has "
-                f"{len(generators)} generator(s): prepare the same kind of loader (shuffled or not, same sampler) "
-                "before loading its state.")
-        check_saved_fields(state_dict, generators, version=_STATE_VERSION, batches_per_process=length_of(self),
-                           global_batch_size=self._global_batch_size())
+        check_saved_fields(state_dict, self._generators(), version=_STATE_VERSION,
+                           batches_per_process=length_of(self), global_batch_size=self._global_batch_size())
         self._resume_point(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -55,6 +55,7 @@ def check_saved_fields(state: Mapping[str, Any], generators: Sequence[torch.Gene
         batches_per_process: ``len(loader)`` on this layout (None: unknown, e.g. a stream).
         global_batch_size: samples one batch of every process uses on this layout (None: not fixed).
     """
+    _check_generator_states(state.get("generator_states", []), generators)
     _check_range(state, "version", 1, version, "a data loader state version this hasten reads")
     _check_range(state, "epoch", 0, MAX_EPOCH, "an epoch")
     _check_range(state, "num_processes", 1, MAX_PROCESSES, "a process count")
@@ -73,12 +74,16 @@ def check_saved_fields(state: Mapping[str, Any], generators: Sequence[torch.Gene
     elif batches_per_process is not None and batches > batches_per_process:
         raise ValueError(f"field 'batches_yielded' = {batches} lies beyond the end of the epoch (this loader yields "
                          f"{batches_per_process} batches per epoch)")
-    _check_generator_states(state.get("generator_states", []), generators)
 
 
 def _check_generator_states(states: Any, generators: Sequence[torch.Generator]) -> None:
     if not isinstance(states, (list, tuple)):
         raise ValueError(f"field 'generator_states' is a {type(states).__name__}, not a list of generator states")
+    if len(states) != len(generators):
+        raise ValueError(
+            f"This data loader state holds {len(states)} generator state(s) but the loader has "
+            f"{len(generators)} generator(s): prepare the same kind of loader (shuffled or not, same sampler) "
+            "before loading its state.")
     for i, (saved, generator) in enumerate(zip(states, generators)):
         size = generator.get_state().numel()
         if not isinstance(saved, torch.Tensor) or saved.dtype != torch.uint8 or saved.dim() != 1 \
