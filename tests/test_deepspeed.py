@@ -261,9 +261,14 @@ def _prepared_two_layers(width: int, stage: int):
     return accelerator, model, optimizer
 
 
-def _load_into_a_wider_model(root: str, stage: int) -> tuple[str, bool, bool]:
-    accelerator, *_ = _prepared_two_layers(8, stage)
-    folder = accelerator.save_state(Path(root) / "ck")
+def _save_two_layers(root: str, stage: int) -> None:
+    _prepared_two_layers(8, stage)[0].save_state(Path(root) / "ck")
+
+
+def _load_into_a_wider_model(root: str, stage: int, save: bool = True) -> tuple[str, bool, bool]:
+    if save:
+        _save_two_layers(root, stage)
+    folder = Path(root) / "ck"
     accelerator, model, optimizer = _prepared_two_layers(16, stage)
     weights = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
     state = _clone_tree(optimizer.state_dict())
@@ -277,13 +282,25 @@ def _load_into_a_wider_model(root: str, stage: int) -> tuple[str, bool, bool]:
 
 
 @pytest.mark.slow
-def test_a_zero2_checkpoint_of_another_shape_changes_nothing_on_every_rank(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_zero_checkpoint_of_another_shape_changes_nothing_on_every_rank(tmp_path, stage):
     from hasten.testing import run_on_ranks
 
-    results = run_on_ranks(_load_into_a_wider_model, world_size=2, args=(str(tmp_path), 2), timeout=300)
+    results = run_on_ranks(_load_into_a_wider_model, world_size=2, args=(str(tmp_path), stage), timeout=300)
     (error0, weights0, optim0), (error1, weights1, optim1) = results
     assert error0 == error1 and error0.startswith("CheckpointError"), results
     assert weights0 and weights1, "a weight changed (layer 0 matches and was overwritten)"
     assert optim0 and optim1, "the optimizer state changed"
-    assert "pytorch_model/mp_rank_00_model_states.pt does not match the prepared model" in error0, error0
+    assert "_model_states.pt does not match the prepared model" in error0, error0  # ZeRO-3: one per rank
     assert "1.weight: file (8, 8) vs model (16, 8)" in error0 and "1.bias: file (8,) vs model (16,)" in error0
+
+
+@pytest.mark.slow
+def test_a_zero3_checkpoint_of_another_shape_is_refused_before_the_conversion_to_another_count(tmp_path):
+    from hasten.testing import run_on_ranks
+
+    run_on_ranks(_save_two_layers, world_size=2, args=(str(tmp_path), 3), timeout=300)
+    ((error, same_weights, same_optimizer),) = run_on_ranks(_load_into_a_wider_model, world_size=1,
+                                                            args=(str(tmp_path), 3, False), timeout=300)
+    assert error.startswith("CheckpointError") and "1.weight: file (8, 8) vs model (16, 8)" in error, error
+    assert same_weights and same_optimizer  # today's code converted it and loaded it without an error
