@@ -454,3 +454,124 @@ def test_an_oversized_manifest_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 100)
     with pytest.raises(CheckpointError, match=r"damaged or crafted \(\d+ bytes, more than a manifest ever holds"):
         accelerator.load_state(folder)
+
+
+# ------------------------------- 4. numbers read back from a checkpoint are range-checked (issue 33)
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _live_state(accelerator, model, optimizer, scheduler, loader, counter) -> dict:
+    import copy
+
+    return copy.deepcopy({"weights": _weights(accelerator, model), "optimizer": optimizer.state_dict(),
+                          "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                          "counter": counter.count, "rng": torch.get_rng_state(),
+                          "step": accelerator.step})
+
+
+def _tamper(folder: Path, file: str, field: str, value) -> None:
+    """Set ``field`` of ``file`` to ``value`` and re-seal the folder (a crafted checkpoint passes its checksums)."""
+    from hasten.checkpointing.manifest import write_manifest
+
+    if file == "hasten_checkpoint.json":
+        _rewrite_manifest(folder, lambda m: m.update({field: value}))
+        return
+    state = torch.load(folder / file, weights_only=False)
+    state[field] = value
+    torch.save(state, folder / file)
+    write_manifest(folder, 2)
+
+
+def _load_tampered(root: str, file: str, field: str, value) -> list:
+    import time
+
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    data = torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=2, shuffle=True)
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, data)
+    counter = Counter(5)
+    accelerator.register_for_checkpointing(counter)
+    batches = iter(loader)
+    for _ in range(2):
+        accelerator.backward(model(next(batches)).pow(2).mean())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    folder = accelerator.save_state(Path(root) / "ck")
+    accelerator.backward(model(next(batches)).pow(2).mean())  # the live state moves on past the checkpoint
+    optimizer.step()
+    scheduler.step()
+    counter.count = 7
+    if accelerator.is_main_process:
+        _tamper(folder, file, field, value)
+    accelerator.wait_for_everyone()
+    before = _live_state(accelerator, model, optimizer, scheduler, loader, counter)
+    start = time.perf_counter()
+    try:
+        accelerator.load_state(folder)
+        error = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test reports what was raised
+        error = f"{type(exc).__name__}: {exc}"
+    elapsed = time.perf_counter() - start
+    unchanged = _equal(before, _live_state(accelerator, model, optimizer, scheduler, loader, counter))
+    accelerator.wait_for_everyone()
+    return [error, elapsed, unchanged]
+
+
+TAMPERED = [  # file, field, value, what the message must say besides the file
+    ("hasten_checkpoint.json", "num_processes", 100_000_000, r"'num_processes' = 100000000 is not a process count"),
+    ("hasten_checkpoint.json", "num_processes", 0, r"'num_processes' = 0 is not a process count"),
+    ("hasten_checkpoint.json", "num_processes", -2, r"'num_processes' = -2 is not a process count"),
+    ("hasten_checkpoint.json", "num_processes", "2", r"'num_processes' = '2' is not a process count"),
+    ("hasten_checkpoint.json", "num_processes", 2.0, r"'num_processes' = 2.0 is not a process count"),
+    ("hasten_checkpoint.json", "num_processes", 1, r"'num_processes' = 1 does not cover the random generator files"
+                                                    r" it lists \(random_states_1.pkl"),
+    ("dataloader_state.bin", "samples_yielded", -8, r"'samples_yielded' = -8 is not a sample count"),
+    ("dataloader_state.bin", "samples_yielded", 1000, r"'samples_yielded' = 1000 lies beyond the end of the epoch"),
+    ("dataloader_state.bin", "samples_yielded", "8", r"'samples_yielded' = '8' \(str\) is not a sample count"),
+    ("dataloader_state.bin", "batches_yielded", -1, r"'batches_yielded' = -1 is not a batch count"),
+    ("dataloader_state.bin", "epoch", -3, r"'epoch' = -3 is not an epoch"),
+    ("dataloader_state.bin", "num_processes", 0, r"'num_processes' = 0 is not a process count"),
+    ("dataloader_state.bin", "global_batch_size", 0, r"'global_batch_size' = 0 is not a batch size"),
+    ("dataloader_state.bin", "generator_states", [torch.zeros(7, dtype=torch.uint8)],
+     r"'generator_states'\[0\] is a torch.uint8 tensor of shape \(7,\)"),
+    ("scheduler.bin", "last_epoch", -5, r"'last_epoch' = -5 is not a step counter"),
+    ("scheduler.bin", "_step_count", "3", r"'_step_count' = '3' is not a step counter"),
+    ("scheduler.bin", "base_lrs", [0.01, 0.01], r"'base_lrs' holds 2 learning rates but the prepared scheduler has 1"),
+    ("random_states_0.pkl", "step", -1, r"'step' = -1 is not a step counter"),
+    ("random_states_0.pkl", "torch_manual_seed", torch.zeros(9, dtype=torch.uint8), r"Could not restore the random"),
+]
+
+
+@pytest.mark.serial  # asserts that the refusal is quick
+@pytest.mark.parametrize("file,field,value,expected", TAMPERED, ids=[f"{t[0]}-{t[1]}-{t[2]!r:.12}" for t in TAMPERED])
+def test_a_tampered_number_is_refused_quickly_on_every_rank_and_changes_nothing(tmp_path, file, field, value,
+                                                                                 expected):
+    results = run_on_ranks(_load_tampered, world_size=2, args=(str(tmp_path), file, field, value), timeout=120,
+                           pg_timeout=30)
+    (error0, elapsed0, unchanged0), (error1, elapsed1, unchanged1) = results
+    assert error0 == error1 and error0.startswith("CheckpointError"), results
+    assert f"{file}" in error0 and __import__("re").search(expected, error0), error0
+    assert unchanged0 and unchanged1, "the failed load changed the live state"
+    assert max(elapsed0, elapsed1) < 20, results  # seconds, not minutes (a crafted count sized lists before)
+
+
+@pytest.mark.parametrize("field,value", [("scale", -1.0), ("scale", float("nan")), ("growth_factor", 0.5),
+                                         ("backoff_factor", 2.0), ("growth_interval", 0), ("_growth_tracker", -1)])
+def test_a_tampered_loss_scaler_state_is_refused_naming_the_field(tmp_path, field, value):
+    from hasten.checkpointing.restore_checks import check_scaler_state
+
+    state = torch.amp.GradScaler("cpu", init_scale=2.0**16).state_dict()
+    check_scaler_state(state, tmp_path / "scaler.pt")  # the genuine state passes
+    with pytest.raises(CheckpointError, match=rf"scaler.pt: field '{field}' = {value!r}"):
+        check_scaler_state({**state, field: value}, tmp_path / "scaler.pt")

@@ -226,3 +226,81 @@ def test_hasten_launch_use_deepspeed_runs_a_script_end_to_end(tmp_path):
     model(torch.randn(8, 4, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
     assert float(bias) == pytest.approx(float((model[2].bias - 0.1 * model[2].bias.grad)[0].detach()), abs=1e-6)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# --------------------------------------------------------------- all-or-nothing loads (issue 33)
+def _tree_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_tree_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_tree_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _clone_tree(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clone_tree(v) for v in value]
+    return value
+
+
+def _prepared_two_layers(width: int, stage: int):
+    reset_state()
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=stage))
+    torch.manual_seed(width)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, width))
+    loader = DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.Adam(model.parameters(), lr=0.1), loader)
+    (x,) = next(iter(loader))
+    accelerator.backward(model(x).pow(2).mean())  # one step: the optimizer state is not empty
+    return accelerator, model, optimizer
+
+
+def _save_two_layers(root: str, stage: int) -> None:
+    _prepared_two_layers(8, stage)[0].save_state(Path(root) / "ck")
+
+
+def _load_into_a_wider_model(root: str, stage: int, save: bool = True) -> tuple[str, bool, bool]:
+    if save:
+        _save_two_layers(root, stage)
+    folder = Path(root) / "ck"
+    accelerator, model, optimizer = _prepared_two_layers(16, stage)
+    weights = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    state = _clone_tree(optimizer.state_dict())
+    try:
+        accelerator.load_state(folder)
+        error = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test reports what was raised
+        error = f"{type(exc).__name__}: {exc}"
+    same_weights = _tree_equal(weights, dict(accelerator.get_state_dict(model)))
+    return error, same_weights, _tree_equal(state, _clone_tree(optimizer.state_dict()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_zero_checkpoint_of_another_shape_changes_nothing_on_every_rank(tmp_path, stage):
+    from hasten.testing import run_on_ranks
+
+    results = run_on_ranks(_load_into_a_wider_model, world_size=2, args=(str(tmp_path), stage), timeout=300)
+    (error0, weights0, optim0), (error1, weights1, optim1) = results
+    assert error0 == error1 and error0.startswith("CheckpointError"), results
+    assert weights0 and weights1, "a weight changed (layer 0 matches and was overwritten)"
+    assert optim0 and optim1, "the optimizer state changed"
+    assert "_model_states.pt does not match the prepared model" in error0, error0  # ZeRO-3: one per rank
+    assert "1.weight: file (8, 8) vs model (16, 8)" in error0 and "1.bias: file (8,) vs model (16,)" in error0
+
+
+@pytest.mark.slow
+def test_a_zero3_checkpoint_of_another_shape_is_refused_before_the_conversion_to_another_count(tmp_path):
+    from hasten.testing import run_on_ranks
+
+    run_on_ranks(_save_two_layers, world_size=2, args=(str(tmp_path), 3), timeout=300)
+    ((error, same_weights, same_optimizer),) = run_on_ranks(_load_into_a_wider_model, world_size=1,
+                                                            args=(str(tmp_path), 3, False), timeout=300)
+    assert error.startswith("CheckpointError") and "1.weight: file (8, 8) vs model (16, 8)" in error, error
+    assert same_weights and same_optimizer  # today's code converted it and loaded it without an error

@@ -456,3 +456,47 @@ def test_hasten_launch_use_fsdp_runs_a_script_end_to_end(tmp_path):
     model(torch.randn(8, 4, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
     assert float(bias) == pytest.approx(float((model[2].bias - 0.1 * model[2].bias.grad)[0].detach()), abs=1e-6)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ------------------------------------------------- all-or-nothing loads (issue 33): the optimizer too
+def _optimizer_of_other_groups(root: str) -> dict:
+    from hasten.checkpointing import CheckpointError
+
+    results = {}
+    for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        accelerator, model, optimizer, scheduler = _prepared(state_dict_type)
+        x = torch.randn(4, 6)
+        _step(accelerator, model, optimizer, scheduler, x, torch.zeros(4, 1))
+        folder = accelerator.save_state(Path(root) / state_dict_type)
+        reset_state()
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type=state_dict_type,
+                                                                             **WRAP_BLOCKS))
+        model = make_model(1)  # the same architecture, other weights, two parameter groups
+        groups = [{"params": model.head.parameters(), "lr": 0.1},
+                  {"params": [p for n, p in model.named_parameters() if not n.startswith("head.")]}]
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(groups, lr=LR))
+        _step(accelerator, model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1), x, torch.zeros(4, 1))
+        before = _local_shards(model)  # every rank's own shards: each rank is checked, not only rank 0
+        try:
+            accelerator.load_state(folder)
+            results[state_dict_type] = "loaded"
+        except CheckpointError as exc:
+            results[state_dict_type] = str(exc)
+        after = _local_shards(model)
+        results[f"unchanged_{state_dict_type}"] = all(torch.equal(before[k], after[k]) for k in before)
+    return results
+
+
+def _local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+def test_an_optimizer_of_other_groups_is_refused_before_the_weights_change(tmp_path):
+    results = run_on_ranks(_optimizer_of_other_groups, world_size=2, args=(str(tmp_path),), timeout=240)
+    assert results[0] == results[1], results
+    for kind, where in (("SHARDED_STATE_DICT", "optimizer_0"), ("FULL_STATE_DICT", "optimizer.bin")):
+        message = results[0][kind]
+        assert where in message and "holds 1 optimizer parameter group(s) but the prepared optimizer has 2" in message, \
+            message
+        assert results[0][f"unchanged_{kind}"], f"{kind}: the weights changed before the optimizer was refused"

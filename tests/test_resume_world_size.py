@@ -153,10 +153,11 @@ def test_zero_shards_of_another_count_are_planned_for_conversion_and_same_count_
     sub.mkdir()
     for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                  "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
-        torch.save({}, sub / name)
+        torch.save({"module": {}} if "model_states" in name else {}, sub / name)
 
     def strategy(stage: int, processes: int) -> SimpleNamespace:
-        engine = SimpleNamespace(zero_optimization=lambda: True, zero_optimization_stage=lambda: stage)
+        engine = SimpleNamespace(zero_optimization=lambda: True, zero_optimization_stage=lambda: stage,
+                                 module=torch.nn.Module(), optimizer=None)  # the checks against the model pass
         return SimpleNamespace(num_processes=processes, _engines=lambda models: [("pytorch_model", engine)])
 
     for stage in (1, 2, 3):

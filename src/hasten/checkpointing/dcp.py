@@ -78,6 +78,68 @@ def check_model_folder(model: nn.Module, path: Path) -> None:
                               + "; ".join(problems) + ". Nothing was loaded.")
 
 
+def _param_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """``{name: global shape}`` of ``model``'s parameters (a DTensor's shape is the global one)."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _check_state_shapes(path: Path, params: Mapping[str, tuple[int, ...]],
+                        saved: Mapping[str, tuple[int, ...]]) -> None:
+    """``saved`` maps ``"<param name>.<state name>"`` to a global shape; each must belong to a parameter
+    of the model and have its shape (scalars such as ``step`` excepted)."""
+    unknown, wrong = [], []
+    for key, shape in saved.items():
+        owner = max((name for name in params if key.startswith(name + ".")), key=len, default=None)
+        if owner is None:
+            unknown.append(key)
+        elif len(shape) == len(params[owner]) and shape != params[owner]:
+            wrong.append(f"{key}: saved {shape} vs parameter {params[owner]}")
+    problems = [f"{label} {items[:8]}{' ...' if len(items) > 8 else ''}"
+                for label, items in (("state of parameters the model lacks", unknown), ("shape mismatches", wrong))
+                if items]
+    if problems:
+        raise CheckpointError(f"{path} does not match the prepared optimizer: " + "; ".join(problems)
+                              + ". Nothing was loaded.")
+
+
+def _group_problem(path: Path, saved: int, live: int) -> CheckpointError:
+    return CheckpointError(f"{path} holds {saved} optimizer parameter group(s) but the prepared optimizer has {live}; "
+                           "create the optimizer with the groups it was saved with. Nothing was loaded.")
+
+
+def check_optimizer_folder(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Raise CheckpointError unless the DCP folder ``path`` holds ``optimizer``'s state for ``model``:
+    as many parameter groups, and per-parameter states of the parameters' global shapes."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(path).state_dict_metadata
+    groups = {key.split(".")[2] for key in metadata if key.startswith("optimizer.param_groups.")}
+    if groups and len(groups) != len(optimizer.param_groups):
+        raise _group_problem(path, len(groups), len(optimizer.param_groups))
+    lead = "optimizer.state."
+    saved = {key[len(lead):]: tuple(meta.size) for key, meta in metadata.items()
+             if key.startswith(lead) and isinstance(meta, TensorStorageMetadata)}
+    _check_state_shapes(path, _param_shapes(model), saved)
+
+
+def check_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, path: Path) -> None:
+    """Raise CheckpointError unless ``state`` (a gathered ``optimizer.bin``, keyed by parameter names) fits
+    ``optimizer`` and ``model``: same groups of the same sizes, states of the parameters' shapes."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(state.get("state"), Mapping) \
+            or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+        raise CheckpointError(f"{path} is not an optimizer state (no 'state'/'param_groups'). Nothing was loaded.")
+    if len(groups) != len(optimizer.param_groups):
+        raise _group_problem(path, len(groups), len(optimizer.param_groups))
+    sizes, live = [len(g["params"]) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != live:
+        raise CheckpointError(f"{path} holds parameter groups of sizes {sizes} but the optimizer's are {live}; the "
+                              "model or optimizer differs from the saved one. Nothing was loaded.")
+    saved = {f"{name}.{key}": tuple(value.shape) for name, entry in state["state"].items()
+             if isinstance(entry, Mapping) for key, value in entry.items() if isinstance(value, torch.Tensor)}
+    _check_state_shapes(path, _param_shapes(model), saved)
+
+
 def _first_failure(exc: Any) -> tuple[int | None, Any]:
     """The first failing rank of DCP's CheckpointException and its reason (the exception itself if none)."""
     failures = getattr(exc, "failures", {}) or {}
@@ -280,7 +342,7 @@ def merge_sharded_weights(checkpoint_dir: str | Path, output_path: str | Path, s
 #: Accelerate's name (``accelerate.utils.merge_fsdp_weights``), same arguments.
 merge_fsdp_weights = merge_sharded_weights
 
-__all__ = ["MODEL_DIR", "OPTIMIZER_DIR", "check_model_folder", "full_model_state", "full_optimizer_state",
+__all__ = ["MODEL_DIR", "OPTIMIZER_DIR", "check_full_optimizer_state", "check_model_folder", "check_optimizer_folder", "full_model_state", "full_optimizer_state",
            "is_dcp_folder", "load_full_model_state", "load_full_optimizer_state", "load_model", "load_optimizer",
            "merge_fsdp_weights", "merge_sharded_weights", "model_dir", "optimizer_dir", "read_full_state", "read_metadata", "save_model",
            "save_optimizer", "saved_tensor_shapes"]

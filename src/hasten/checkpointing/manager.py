@@ -436,8 +436,11 @@ class CheckpointManager:
             verify_files(folder, manifest, share)
         checked = self.models.check(objects.models, objects.raw_optimizers(), folder, strict=strict,
                                     map_location=map_location)
-        schedulers = [ckpt.torch_load(folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i)))
-                      for i in range(len(objects.schedulers))]
+        schedulers = []
+        for i, scheduler in enumerate(objects.schedulers):
+            path = folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i))
+            schedulers.append(ckpt.torch_load(path))
+            checks.check_scheduler_state(scheduler, schedulers[-1], path)
         saved_loaders = ckpt.count_files(folder, "dataloader_state")
         if saved_loaders and saved_loaders != len(objects.dataloaders):
             raise CheckpointError(f"{folder} holds the state of {saved_loaders} data loaders but "
@@ -452,13 +455,15 @@ class CheckpointManager:
         scaler = None
         if objects.scaler is not None and (folder / ckpt.SCALER).is_file():
             scaler = ckpt.torch_load(folder / ckpt.SCALER)
+            checks.check_scaler_state(scaler, folder / ckpt.SCALER)
+        checks.check_loader_states(folder, objects.dataloaders, loaders)  # every field in range, first
         warning = checks.check_process_count(folder, manifest, ranks.num_processes, loaders)
-        checks.check_loader_states(folder, objects.dataloaders, loaders)
         rng_path, derive = checks.rng_source(folder, manifest, ranks.process_index, ranks.num_processes)
         if not rng_path.is_file():
             raise CheckpointError(checks.missing_rng_message(folder, rng_path, manifest, ranks.process_index,
                                                              ranks.num_processes))
         rng = ckpt.load_rng_file(rng_path)  # Accelerate's files hold NumPy states
+        checks.check_rng_fields(rng, rng_path)
         if derive:  # a process the saving run did not have (documented rule in derive_rng_state)
             rng = derive_rng_state(rng, ranks.process_index)
         checks.check_rng_state(rng, rng_path)

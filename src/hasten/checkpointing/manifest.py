@@ -32,7 +32,10 @@ _CHUNK = 64 << 20
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_ENTRIES = 1_000_000
 MAX_NAME_PARTS = 16
+#: The most processes a manifest may name (far above any real run; every process writes files it lists).
+MAX_PROCESSES = 1 << 20
 _CRC = re.compile(r"^[0-9a-f]{8}$")
+_RNG_NAME = re.compile(r"^random_states_(\d+)\.pkl$")
 
 
 def file_checksum(path: Path, sync: bool = False) -> tuple[int, str]:
@@ -109,14 +112,29 @@ def _check_manifest(manifest: Any) -> dict[str, Any]:
     files, count = manifest.get("files"), manifest.get("num_processes")
     if not isinstance(files, dict) or len(files) > MAX_ENTRIES:
         raise ValueError("'files' is not a mapping of at most a million entries")
-    if type(count) is not int or count < 1:
-        raise ValueError(f"num_processes {count!r} is not a positive integer")
+    _check_process_count(count, files)
     for rel, entry in files.items():
         check_entry_name(rel)
         if rel in (MANIFEST, STAGING_MARKER) or not isinstance(entry, dict) or type(entry.get("size")) is not int \
                 or entry["size"] < 0 or not isinstance(entry.get("crc32"), str) or not _CRC.match(entry["crc32"]):
             raise ValueError(f"entry {rel[:80]!r} is not a file record")
     return manifest
+
+
+def _check_process_count(count: Any, files: dict[str, Any]) -> None:
+    """``num_processes`` is an int in ``1..MAX_PROCESSES`` and covers the random-generator files listed
+    (every process writes ``random_states_{rank}.pkl``; a machine without the main one's file system holds
+    only its own processes' files, so the listed ranks may be a part of ``0..count-1``, never beyond it).
+
+    Checked before anything uses the count: a crafted one would otherwise size lists and messages.
+    """
+    if type(count) is not int or not 1 <= count <= MAX_PROCESSES:
+        raise ValueError(f"field 'num_processes' = {repr(count)[:40]} is not a process count (an integer from 1 to "
+                         f"{MAX_PROCESSES})")
+    beyond = max((int(m.group(1)) for rel in files if (m := _RNG_NAME.match(rel))), default=-1)
+    if beyond >= count:
+        raise ValueError(f"field 'num_processes' = {count} does not cover the random generator files it lists "
+                         f"(random_states_{beyond}.pkl: each process writes its own)")
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -41,6 +42,10 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, 
                 raise CheckpointError(f"{path}: optimizer state {key!r} of parameter {pid} has shape "
                                       f"{tuple(value.shape)} but the parameter is {tuple(param.shape)}. Nothing was "
                                       "loaded.")
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def saved_process_count(folder: Path, manifest: Mapping[str, Any] | None) -> int:
@@ -78,7 +83,9 @@ def check_process_count(folder: Path, manifest: Mapping[str, Any] | None, num_pr
                               f"the position does not map onto {num_processes} processes. Resume with {saved} "
                               "processes, or from a checkpoint saved at an epoch boundary.")
     if saved > num_processes:
-        dropped = ", ".join(f"random_states_{r}.pkl" for r in range(num_processes, saved))
+        # At most a few names: the count comes from the folder (a crafted one must not size the message).
+        dropped = ", ".join(f"random_states_{r}.pkl" for r in range(num_processes, min(saved, num_processes + 4)))
+        dropped += f", ... random_states_{saved - 1}.pkl" if saved > num_processes + 4 else ""
         return (f"{folder} was saved by {saved} processes and is loaded into {num_processes}: dropped the random "
                 f"generator states of processes {num_processes}..{saved - 1} ({dropped}); data loaders continue at "
                 "the saved global sample.")
@@ -101,16 +108,74 @@ def rng_source(folder: Path, manifest: Mapping[str, Any] | None, process_index: 
     return folder / f"random_states_{process_index}.pkl", False
 
 
+_STEP_LIMIT = 1 << 62
+
+
+def _refuse_field(path: Path, field: str, value: Any, meaning: str) -> None:
+    raise CheckpointError(f"{path}: field {field!r} = {repr(value)[:40]} is not {meaning}; the file is damaged or "
+                          "crafted. Nothing was loaded.")
+
+
+def check_scheduler_state(scheduler: Any, state: Any, path: Path) -> None:
+    """The counters and learning-rate lists of a saved scheduler state against the prepared scheduler.
+
+    Only fields the prepared scheduler's own ``state_dict`` has are compared (any scheduler class works):
+    ``last_epoch`` (an int >= -1), ``_step_count`` (an int >= 0), and ``base_lrs``/``_last_lr`` (one per
+    parameter group).
+    """
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a scheduler state. Nothing was loaded.")
+    current = scheduler.state_dict()
+    if not isinstance(current, Mapping):
+        return
+    for field, low in (("last_epoch", -1), ("_step_count", 0)):
+        if field in current and field in state:
+            value = state[field]
+            if not _is_int(value) or not low <= value < _STEP_LIMIT:
+                _refuse_field(path, field, value, f"a step counter (an integer >= {low})")
+    for field in ("base_lrs", "_last_lr"):
+        if isinstance(current.get(field), list) and field in state:
+            saved = state[field]
+            if not isinstance(saved, list) or len(saved) != len(current[field]):
+                count = len(saved) if isinstance(saved, list) else type(saved).__name__
+                raise CheckpointError(f"{path}: field {field!r} holds {count} learning rates but the prepared "
+                                      f"scheduler has {len(current[field])} (one per parameter group); the optimizer "
+                                      "differs from the saved one, or the file is damaged. Nothing was loaded.")
+
+
+def check_scaler_state(state: Any, path: Path) -> None:
+    """A saved ``GradScaler`` state: a finite positive scale, growth > 1 > backoff > 0, counters >= 0."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a loss scaler state. Nothing was loaded.")
+    real = {"scale": (0.0, math.inf, "a loss scale (finite, > 0)"),
+            "growth_factor": (1.0, math.inf, "a growth factor (finite, > 1)"),
+            "backoff_factor": (0.0, 1.0, "a backoff factor (between 0 and 1)")}
+    for field, (low, high, meaning) in real.items():
+        value = state.get(field)
+        if field in state and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                               or not math.isfinite(value) or not low < value < high):
+            _refuse_field(path, field, value, meaning)
+    for field, low in (("growth_interval", 1), ("_growth_tracker", 0)):
+        value = state.get(field)
+        if field in state and (not _is_int(value) or not low <= value < _STEP_LIMIT):
+            _refuse_field(path, field, value, f"a step count (an integer >= {low})")
+
+
 def check_loader_states(folder: Path, loaders: list[Any], states: list[Mapping[str, Any]]) -> None:
-    """Ask each loader whether it can take its saved position (``check_state_dict``); raise if not."""
+    """Ask each loader whether it can take its saved state (``check_state_dict``: every field in range, a
+    position its layout can start at); raise naming the file if not."""
     for i, (loader, state) in enumerate(zip(loaders, states)):
         check = getattr(loader, "check_state_dict", None)
         if check is None:
             continue
+        path = folder / f"dataloader_state{'' if i == 0 else f'_{i}'}.bin"
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"{path}: data loader #{i}: the file holds a {type(state).__name__}, not a data "
+                                  "loader state. Nothing was loaded.")
         try:
             check(state)
-        except ValueError as exc:
-            raise CheckpointError(f"{folder}: data loader #{i}: {exc}") from exc
+        except (ValueError, TypeError) as exc:
+            raise CheckpointError(f"{path}: data loader #{i}: {exc}. Nothing was loaded.") from exc
 
 
 def missing_rng_message(folder: Path, rng_path: Path, manifest: Mapping[str, Any] | None, process_index: int,
@@ -125,8 +190,27 @@ def missing_rng_message(folder: Path, rng_path: Path, manifest: Mapping[str, Any
             "checkpoint.")
 
 
+def check_rng_fields(state: Any, path: Path) -> None:
+    """The numbers of a ``random_states_{rank}.pkl`` hasten reads itself: the step counter (an int >= 0) and
+    the number of CUDA generator states; CheckpointError naming the file, field and value otherwise."""
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not random generator states. Nothing was "
+                              "loaded.")
+    step = state.get("step", 0)
+    if not _is_int(step) or not 0 <= step < 1 << 62:
+        raise CheckpointError(f"{path}: field 'step' = {repr(step)[:40]} is not a step counter (an integer >= 0); "
+                              "the file is damaged or crafted. Nothing was loaded.")
+    cuda = state.get("torch_cuda_manual_seed")
+    if cuda is not None and (not isinstance(cuda, (list, tuple)) or len(cuda) > 1 << 16):
+        raise CheckpointError(f"{path}: field 'torch_cuda_manual_seed' holds "
+                              f"{len(cuda) if isinstance(cuda, (list, tuple)) else type(cuda).__name__} entries, "
+                              "not one generator state per CUDA device. Nothing was loaded.")
+
+
 def check_rng_state(state: dict[str, Any], path: Path) -> None:
-    """Restore ``state`` once and put the current generators back: proves it loads, changes nothing."""
+    """Check its fields, restore ``state`` once and put the current generators back: proves it loads,
+    changes nothing."""
+    check_rng_fields(state, path)
     current = capture_rng_state(0)
     try:
         restore_rng_state(state, path)
@@ -134,5 +218,6 @@ def check_rng_state(state: dict[str, Any], path: Path) -> None:
         restore_rng_state(current, path)
 
 
-__all__ = ["check_loader_states", "check_optimizer_state", "check_process_count", "check_rng_state",
+__all__ = ["check_loader_states", "check_optimizer_state", "check_process_count", "check_rng_fields", "check_rng_state",
+           "check_scaler_state", "check_scheduler_state",
            "missing_rng_message", "rng_source", "saved_process_count"]

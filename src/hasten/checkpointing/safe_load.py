@@ -208,11 +208,13 @@ def deepspeed_globals() -> list[Any]:
     return found
 
 
-def check_deepspeed_files(files: Iterable[Path]) -> None:
-    """Refuse (before DeepSpeed reads them with ``weights_only=False``) any file naming other globals."""
+def check_deepspeed_files(files: Iterable[Path]) -> dict[Path, Any]:
+    """Refuse (before DeepSpeed reads them with ``weights_only=False``) any file naming other globals.
+
+    Returns what each file holds (tensors memory-mapped, not read), for the checks against the model.
+    """
     extra = deepspeed_globals()
-    for path in files:
-        torch_load(path, path, extra=extra, mmap=True)
+    return {path: torch_load(path, path, extra=extra, mmap=True) for path in files}
 
 
 # ------------------------------------------------------------------------------------- DCP

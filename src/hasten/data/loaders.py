@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from hasten.data.samplers import batches_after, offsets_samples
+from hasten.data.saved_state import check_saved_fields, length_of
 from hasten.environments.preemption import PREEMPTION as _PREEMPTION
 from hasten.exceptions import ConfigurationError
 from hasten.ops import send_to_device, synchronize_rng_states
@@ -318,14 +319,10 @@ class ResumableMixin:
         return state
 
     def check_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Raise ``ValueError`` unless :meth:`load_state_dict` would accept ``state_dict``; changes nothing."""
-        states = list(state_dict.get("generator_states", []))
-        generators = self._generators()
-        if len(states) != len(generators):
-            raise ValueError(
-                f"This data loader state holds {len(states)} generator state(s) but the loader has "
-                f"{len(generators)} generator(s): prepare the same kind of loader (shuffled or not, same sampler) "
-                "before loading its state.")
+        """Raise ``ValueError`` unless :meth:`load_state_dict` would accept ``state_dict`` (every field in
+        range, :func:`~hasten.data.saved_state.check_saved_fields`); changes nothing."""
+        check_saved_fields(state_dict, self._generators(), version=_STATE_VERSION,
+                           batches_per_process=length_of(self), global_batch_size=self._global_batch_size())
         self._resume_point(state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ from hasten.exceptions import ConfigurationError
 from hasten.precision import Precision
 from hasten.precision.deepspeed import DeepSpeedPrecision
 from hasten.strategies.base import CheckedState, Strategy
+from hasten.strategies.deepspeed_checks import check_engine_checkpoint
 
 #: Checkpoint tag of the i-th model (Accelerate's folder names ``pytorch_model``, ``pytorch_model_1``...).
 MODEL_TAG = "pytorch_model"
@@ -306,19 +307,23 @@ class DeepSpeedStrategy(Strategy):
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:
-        """The engine's folders exist and their files are safe; ZeRO shards of another count are converted
-        on load (:mod:`hasten.checkpointing.universal`)."""
+        """The engine's folders exist, their files are safe, and they match the prepared engines (names,
+        shapes, optimizer groups, counters: :mod:`~hasten.strategies.deepspeed_checks`), so the engine never
+        fails half-way through its load; ZeRO shards of another count are converted on load
+        (:mod:`hasten.checkpointing.universal`)."""
         universal: dict[str, int] = {}
         for tag, engine in self._engines(models):
             sub = Path(folder) / tag
-            if not sub.is_dir() or not any(sub.glob("*model_states.pt")):
+            model_files = sorted(sub.glob("*model_states.pt")) if sub.is_dir() else []
+            if not model_files:
                 raise CheckpointError(f"{sub} holds no DeepSpeed model states: this checkpoint was not saved by "
                                       "DeepSpeed (or by another model count); load it without DeepSpeed.")
             ranks = len(list(sub.glob("*optim_states.pt")))
             if engine.zero_optimization() and ranks != self.num_processes:
                 universal[tag] = ranks
             # DeepSpeed reads its files with weights_only=False: refuse any that names a non-allowed type.
-            check_deepspeed_files(sorted(sub.glob("*.pt")))
+            contents = check_deepspeed_files(sorted(sub.glob("*.pt")))
+            check_engine_checkpoint(engine, model_files[0], contents[model_files[0]], ranks, strict=strict)
         return CheckedState(models=universal)  # the engine loads models and optimizers itself
 
     def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
@@ -333,7 +338,7 @@ class DeepSpeedStrategy(Strategy):
                 previous = engine._config.load_universal_checkpoint
                 engine._config.load_universal_checkpoint = convert
                 try:
-                    path, _ = engine.load_checkpoint(str(source), tag=tag)
+                    path, _ = engine.load_checkpoint(str(source), tag=tag, load_module_strict=strict)
                 finally:
                     engine._config.load_universal_checkpoint = previous
                 if path is None:

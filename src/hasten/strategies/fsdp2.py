@@ -25,7 +25,7 @@ from hasten._private_api import (
     pending_gradient,
     set_pending_gradient,
 )
-from hasten.checkpointing import dcp as sharded, files as ckpt
+from hasten.checkpointing import dcp as sharded, files as ckpt, safe_load
 from hasten.checkpointing.sealing import Sealer
 from hasten.config.parallelism import ParallelismConfig
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
@@ -325,13 +325,18 @@ class FSDP2Strategy(Strategy):
                 raise CheckpointError(f"{folder} has no weights for model #{i}: expected the folder {path.name}/ "
                                       f"(SHARDED_STATE_DICT) or {weights_path.name} (FULL_STATE_DICT).")
             _check_safetensors(unwrap_common(model), weights_path)
-        for i, _ in enumerate(optimizers):
+        inner_models = [unwrap_common(m) for m in models]
+        for i, optimizer in enumerate(optimizers):
             path = sharded.optimizer_dir(folder, i)
+            file = folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))
             if path.is_dir():
-                sharded.read_metadata(path)
-            elif not (folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))).is_file():
+                sharded.check_optimizer_folder(_owner(optimizer, inner_models), optimizer, path)
+            elif file.is_file():  # memory-mapped: only the structure and shapes are read here
+                state = safe_load.torch_load(file, file, mmap=True)
+                sharded.check_full_optimizer_state(_owner(optimizer, inner_models), optimizer, state, file)
+            else:
                 raise CheckpointError(f"{folder} has no state for optimizer #{i}: expected the folder {path.name}/ or "
-                                      f"{ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))}.")
+                                      f"{file.name}.")
         return CheckedState()  # load() reads the folders/files itself (models and optimizers together)
 
     def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
