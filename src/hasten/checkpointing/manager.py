@@ -49,11 +49,16 @@ from hasten.checkpointing.naming import (
     newest_checkpoint,
     next_iteration,
     prepare_staging,
-    prune,
-    publish,
     recover,
     run_stage_hooks,
     staging_folder,
+)
+from hasten.checkpointing.publication import (
+    Publication,
+    agree_on_default_group,
+    attempt,
+    publish_agreed,
+    raise_failure,
 )
 from hasten.checkpointing.rng import capture_rng_state, derive_rng_state, restore_rng_state
 from hasten.checkpointing.sealing import Sealer
@@ -61,6 +66,8 @@ from hasten.checkpointing.transaction import Transaction
 from hasten.config.env import worker_group_restart
 from hasten.exceptions import CheckpointError
 from hasten.ops.collectives import barrier, broadcast_object_list, gather_object
+
+_WHAT = "The save"  # the failure's subject (raise_failure) on the calling thread
 
 
 class CheckedModels(Protocol):
@@ -217,8 +224,9 @@ class CheckpointManager:
             async_save: return once the state is captured in host memory; :meth:`wait` for publication.
 
         Raises:
-            CheckpointError: the folder cannot be used, the previous asynchronous save failed, or a
-                strategy cannot save inside an accumulation window (before anything is written).
+            CheckpointError: the folder cannot be used, the previous asynchronous save failed, a
+                strategy cannot save inside an accumulation window (before anything is written), or
+                a step of the save failed on some process (the same message on every process).
         """
         self.wait()  # at most one save in flight; raises the failure of the previous one
         config = config if config is not None else ProjectConfiguration()
@@ -228,26 +236,27 @@ class CheckpointManager:
         # captured first: a strategy that cannot keep them refuses here, before anything is written.
         gradients = [self.models.accumulated_gradients(m) for m in objects.models] if objects.accumulating else []
         self._start(target, config)
-        staging = staging_folder(target)
+        pub = Publication(target, staging_folder(target), self.ranks.num_processes, self.ranks.is_main,
+                          self.ranks.is_local_main, config.total_limit, bool(config.automatic_checkpoint_naming))
+        agree = agree_on_default_group(self.ranks.num_processes)
+        # The pre-hooks may fail on one process only; the strategy's writes that follow may be
+        # collective (DCP, DeepSpeed), so every process learns of it before any of them starts one.
+        weights, error = attempt(lambda: self._weights_for_save(objects, pub.staging))
+        agreed = agree(error)
+        if agreed is not None:
+            raise_failure(_WHAT, pub, agreed)
         if async_save:
-            return self._save_in_background(objects, target, staging, gradients, config, writer, safe_serialization)
-        sealer = Sealer(staging)  # each file checksummed as written, fsync'ed in the background
+            return self._save_in_background(objects, pub, weights, gradients, config, writer, safe_serialization)
+        sealer = Sealer(pub.staging)  # each file checksummed as written, fsync'ed in the background
+
+        def write_and_seal() -> dict[str, tuple[int, str]]:
+            self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, sealer)
+            return sealer.finish()  # this process's files are durable before the others are told so
+
         try:
-            self._write(objects, staging, gradients, writer, safe_serialization, sealer)
-            sealed = sealer.finish()  # this process's files are durable before the others are told so
+            publish_agreed(pub, write_and_seal, agree, _WHAT)
         finally:
             sealer.close()
-        run_stage_hooks("before_publish", staging)
-        barrier()
-        if self.ranks.is_main:
-            publish(target, self.ranks.num_processes, sealed)
-        barrier()
-        if self.ranks.is_local_main and not self.ranks.is_main:
-            publish(target, self.ranks.num_processes, sealed)  # machines that do not share the main one's file system
-        barrier()
-        if self.ranks.is_main and config.automatic_checkpoint_naming:
-            run_stage_hooks("published", target)
-            prune(target.parent, config.total_limit, keep=target)  # only now: never zero checkpoints
         config.iteration += 1
         return target
 
@@ -296,12 +305,17 @@ class CheckpointManager:
         if self.ranks.is_main:
             run_stage_hooks("staged", staging_folder(target))
 
-    def _write(self, objects: TrainingObjects, staging: Path, gradients: list[dict[str, torch.Tensor]],
-               writer: bool, safe_serialization: bool, sealer: Sealer | None) -> None:
-        """This process's files (``sealer`` None: an asynchronous save captures them instead)."""
+    def _weights_for_save(self, objects: TrainingObjects, staging: Path) -> list[dict[str, torch.Tensor]]:
+        """The weights the strategy writes, after the save pre-hooks saw (and maybe edited) them."""
         weights = self.models.weights_for_save(objects.models)
         for hook in objects.save_hooks:
             hook(objects.models, weights, str(staging))
+        return weights
+
+    def _write(self, objects: TrainingObjects, staging: Path, weights: list[dict[str, torch.Tensor]],
+               gradients: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool,
+               sealer: Sealer | None) -> None:
+        """This process's files (``sealer`` None: an asynchronous save captures them instead)."""
         self.models.save(objects.models, objects.raw_optimizers(), staging, weights=weights, writer=writer,
                          safe_serialization=safe_serialization, sealer=sealer)
         if writer:
@@ -329,19 +343,26 @@ class CheckpointManager:
         for i, obj in enumerate(objects.custom_objects):
             ckpt.torch_save(obj.state_dict(), folder / ckpt.CUSTOM.format(index=i), sealer=sealer)
 
-    def _save_in_background(self, objects: TrainingObjects, target: Path, staging: Path,
+    def _save_in_background(self, objects: TrainingObjects, pub: Publication, weights: list[dict[str, torch.Tensor]],
                             gradients: list[dict[str, torch.Tensor]], config: ProjectConfiguration, writer: bool,
                             safe_serialization: bool) -> Path:
         if self.background is None:  # collective: every process creates the side group together
             self.background = background.BackgroundSaver(
                 background.Coordinator.create(self.ranks.num_processes, self.ranks.process_index))
-        with background.capture(staging, self.background.buffers) as snapshot:
-            self._write(objects, staging, gradients, writer, safe_serialization, sealer=None)
-        self.background.submit(snapshot, background.Publication(
-            target, staging, self.ranks.num_processes, self.ranks.is_main, self.ranks.is_local_main,
-            config.total_limit, bool(config.automatic_checkpoint_naming)))
+        buffers = self.background.buffers
+
+        def capture() -> background.Snapshot:
+            with background.capture(pub.staging, buffers) as snapshot:
+                self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, sealer=None)
+            return snapshot
+
+        snapshot, error = attempt(capture)
+        agreed = agree_on_default_group(self.ranks.num_processes)(error)
+        if agreed is not None:  # before the background thread starts: no process publishes
+            raise_failure(_WHAT, pub, agreed)
+        self.background.submit(snapshot, pub)
         config.iteration += 1
-        return target
+        return pub.target
 
     # ------------------------------------------------------------------------------------ loading
     def load(self, objects: TrainingObjects, input_dir: str | os.PathLike[str] | None = None, *,
