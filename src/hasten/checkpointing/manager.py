@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,13 +84,15 @@ class ModelCheckpointing(Protocol):
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None) -> None: ...
+             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None: ...
+
+    def engine_checkpoint_kwargs(self, call: str, kwargs: Mapping[str, Any]) -> dict[str, Any]: ...
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedModels: ...
 
     def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
-             checked: Any, *, strict: bool = True) -> None: ...
+             checked: Any, *, strict: bool = True, engine_kwargs: Mapping[str, Any] | None = None) -> None: ...
 
     def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
 
@@ -212,7 +214,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------- saving
     def save(self, objects: TrainingObjects, output_dir: str | os.PathLike[str] | None = None, *,
              config: ProjectConfiguration | None = None, writer: bool | None = None,
-             safe_serialization: bool = True, async_save: bool = False) -> Path:
+             safe_serialization: bool = True, async_save: bool = False,
+             engine_kwargs: Mapping[str, Any] | None = None) -> Path:
         """Write ``objects`` into a new checkpoint folder and publish it; returns the folder. Every process calls it.
 
         Args:
@@ -222,13 +225,17 @@ class CheckpointManager:
             writer: whether this process writes the files all processes share (default: the main process).
             safe_serialization: model weights as safetensors (else ``pytorch_model.bin``).
             async_save: return once the state is captured in host memory; :meth:`wait` for publication.
+            engine_kwargs: for an engine that writes its own checkpoint (``save_state``'s extra
+                keyword arguments, checked by the strategy's ``engine_checkpoint_kwargs``).
 
         Raises:
+            ConfigurationError: ``engine_kwargs`` the strategy does not take (before anything is written).
             CheckpointError: the folder cannot be used, the previous asynchronous save failed, a
                 strategy cannot save inside an accumulation window (before anything is written), or
                 a step of the save failed on some process (the same message on every process).
         """
         self.wait()  # at most one save in flight; raises the failure of the previous one
+        options = self.models.engine_checkpoint_kwargs("save_state", engine_kwargs or {})
         config = config if config is not None else ProjectConfiguration()
         writer = self.ranks.is_main if writer is None else writer
         target = self._target(output_dir, config)
@@ -246,11 +253,12 @@ class CheckpointManager:
         if agreed is not None:
             raise_failure(_WHAT, pub, agreed)
         if async_save:
-            return self._save_in_background(objects, pub, weights, gradients, config, writer, safe_serialization)
+            return self._save_in_background(objects, pub, weights, gradients, config, writer, safe_serialization,
+                                            options)
         sealer = Sealer(pub.staging)  # each file checksummed as written, fsync'ed in the background
 
         def write_and_seal() -> dict[str, tuple[int, str]]:
-            self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, sealer)
+            self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, sealer, options)
             return sealer.finish()  # this process's files are durable before the others are told so
 
         try:
@@ -314,10 +322,10 @@ class CheckpointManager:
 
     def _write(self, objects: TrainingObjects, staging: Path, weights: list[dict[str, torch.Tensor]],
                gradients: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool,
-               sealer: Sealer | None) -> None:
+               sealer: Sealer | None, engine_kwargs: dict[str, Any]) -> None:
         """This process's files (``sealer`` None: an asynchronous save captures them instead)."""
         self.models.save(objects.models, objects.raw_optimizers(), staging, weights=weights, writer=writer,
-                         safe_serialization=safe_serialization, sealer=sealer)
+                         safe_serialization=safe_serialization, sealer=sealer, engine_kwargs=engine_kwargs)
         if writer:
             self._write_shared_files(objects, staging, sealer)
         rng_file = staging / ckpt.RNG.format(rank=self.ranks.process_index)
@@ -345,7 +353,7 @@ class CheckpointManager:
 
     def _save_in_background(self, objects: TrainingObjects, pub: Publication, weights: list[dict[str, torch.Tensor]],
                             gradients: list[dict[str, torch.Tensor]], config: ProjectConfiguration, writer: bool,
-                            safe_serialization: bool) -> Path:
+                            safe_serialization: bool, engine_kwargs: dict[str, Any]) -> Path:
         if self.background is None:  # collective: every process creates the side group together
             self.background = background.BackgroundSaver(
                 background.Coordinator.create(self.ranks.num_processes, self.ranks.process_index))
@@ -353,7 +361,8 @@ class CheckpointManager:
 
         def capture() -> background.Snapshot:
             with background.capture(pub.staging, buffers) as snapshot:
-                self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, sealer=None)
+                self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, None,
+                            engine_kwargs)
             return snapshot
 
         snapshot, error = attempt(capture)
@@ -367,17 +376,22 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------ loading
     def load(self, objects: TrainingObjects, input_dir: str | os.PathLike[str] | None = None, *,
              config: ProjectConfiguration | None = None, strict: bool = True, map_location: Any = None,
-             verify_checksums: bool = True) -> tuple[Path, int]:
+             verify_checksums: bool = True, engine_kwargs: Mapping[str, Any] | None = None) -> tuple[Path, int]:
         """Check a checkpoint, then restore it into ``objects``; returns the folder and the saved step counter.
 
         Every process calls it. ``input_dir=None`` with automatic naming loads the newest complete
         checkpoint, and the iteration counter of ``config`` continues after it.
 
+        ``engine_kwargs`` go to an engine that loads its own checkpoint (``load_state``'s extra keyword
+        arguments, checked by the strategy's ``engine_checkpoint_kwargs``).
+
         Raises:
+            ConfigurationError: ``engine_kwargs`` the strategy does not take (before anything is read).
             CheckpointError: a missing folder or file, a damaged file, or a folder that does not match
                 ``objects``; the same message on every process, and nothing changed.
         """
         self.wait()
+        options = self.models.engine_checkpoint_kwargs("load_state", engine_kwargs or {})
         config = config if config is not None else ProjectConfiguration()
         folder = self._resolve(input_dir, config)
         for hook in objects.load_hooks:
@@ -386,7 +400,7 @@ class CheckpointManager:
         plan = self._agree(lambda: self._read(objects, folder, strict, location, verify_checksums))
         if plan.warning and self.ranks.is_main:
             warnings.warn(plan.warning, UserWarning, stacklevel=3)  # the caller of Accelerator.load_state
-        step = self._apply(objects, plan, strict, folder)
+        step = self._apply(objects, plan, strict, folder, options)
         iteration = iteration_of(folder)
         if config.automatic_checkpoint_naming and iteration is not None:
             config.iteration = iteration + 1
@@ -490,7 +504,8 @@ class CheckpointManager:
         return _LoadPlan(checked, schedulers, loaders, custom, scaler, warning, rng_path, rng, gradients,
                          checks.saved_process_count(folder, manifest))
 
-    def _apply(self, objects: TrainingObjects, plan: _LoadPlan, strict: bool, folder: Path) -> int:
+    def _apply(self, objects: TrainingObjects, plan: _LoadPlan, strict: bool, folder: Path,
+               engine_kwargs: dict[str, Any]) -> int:
         # Everything was read and checked; apply the small states first, each with an undo, so a
         # failure (a registered object refusing its state) puts back what was already restored. The
         # processes agree after the small states (before the models, whose loading may be collective)
@@ -499,7 +514,7 @@ class CheckpointManager:
         self._agreed_step(tx, lambda: self._apply_small_states(tx, objects, plan))
         restored: list[int] = []
         self._agreed_step(tx, lambda: restored.append(self._apply_models_and_generators(tx, objects, plan, strict,
-                                                                                         folder)))
+                                                                                         folder, engine_kwargs)))
         return restored[0]
 
     def _agreed_step(self, tx: Transaction, action: Callable[[], Any]) -> None:
@@ -528,10 +543,11 @@ class CheckpointManager:
             tx.apply(f"registered object #{i} ({type(obj).__name__})", obj, state)
 
     def _apply_models_and_generators(self, tx: Transaction, objects: TrainingObjects, plan: _LoadPlan, strict: bool,
-                                     folder: Path) -> int:
+                                     folder: Path, engine_kwargs: dict[str, Any]) -> int:
         """Last, once every small state is in: the strategy's part, accumulated gradients, then the generators."""
         def load_models() -> None:
-            self.models.load(objects.models, objects.raw_optimizers(), folder, plan.checked, strict=strict)
+            self.models.load(objects.models, objects.raw_optimizers(), folder, plan.checked, strict=strict,
+                             engine_kwargs=engine_kwargs)
             for model, saved in zip(objects.models, plan.gradients):
                 if saved is not None:
                     self.models.restore_accumulated_gradients(model, saved[1], saved[0])
