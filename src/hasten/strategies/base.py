@@ -286,11 +286,12 @@ class Strategy:
             ConfigurationError: names the arguments and the fix.
         """
         if kwargs:
+            engine_call = "save_checkpoint" if call == "save_state" else "load_checkpoint"
+            own = " (load_state's own are strict, map_location, verify_checksums)" if call == "load_state" else ""
             raise ConfigurationError(
-                f"{call}() got keyword arguments it does not use: {', '.join(sorted(kwargs))}. "
-                f"Accelerate passes extra {call} arguments only to DeepSpeed's engine "
-                f"({'save_checkpoint' if call == 'save_state' else 'load_checkpoint'}), and this run does not use "
-                f"DeepSpeed; remove them{' (load_state takes strict, map_location, verify_checksums)' if call == 'load_state' else ''}.")
+                f"{call}() got keyword arguments it does not use: {', '.join(sorted(kwargs))}. Accelerate passes "
+                f"extra {call} arguments only to DeepSpeed's engine.{engine_call}, and this run does not use "
+                f"DeepSpeed: remove them{own}.")
         return {}
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
