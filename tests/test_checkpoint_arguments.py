@@ -122,9 +122,14 @@ def _deepspeed_arguments(root: str) -> tuple[bool, bool, str, bool]:
     _train_step(accelerator, model, optimizer)
     moved = _state(accelerator, model, optimizer)
     accelerator.load_state(without_latest, load_optimizer_states=False)
-    weights, moments = _state(accelerator, model, optimizer)
+    weights, optimizer_state = _state(accelerator, model, optimizer)
     weights_back = _same((weights, {}), (saved[0], {}))
-    optimizer_kept = _same(({}, moments), ({}, moved[1])) and not _same(({}, moments), ({}, saved[1]))
+
+    def moments(state: dict) -> dict:  # Adam's; the fp32 master partition follows the loaded weights
+        return {k: v for k, v in state.items() if k.startswith("/base_optimizer_state/")}
+
+    kept, before = moments(optimizer_state), (moments(moved[1]), moments(saved[1]))
+    optimizer_kept = bool(kept) and _same(({}, kept), ({}, before[0])) and not _same(({}, kept), ({}, before[1]))
     return ((without_latest / "latest").exists(), (with_latest / "latest").exists(), refused,
             weights_back and optimizer_kept)
 
