@@ -32,7 +32,7 @@ Agree = Callable[[str | None], str | None]
 
 #: What a failure left behind, by the step that failed (the phrase the raised error carries).
 _NOTHING_PUBLISHED = "nothing was published; the previous checkpoint is intact"
-_PUBLISHING = ("publishing did not finish; the folder holds a complete checkpoint, the previous one or the new one")
+_PUBLISHING = "publishing did not finish; the folder holds a complete checkpoint, the previous one or the new one"
 _PUBLISHED = "it was published"
 
 
