@@ -9,11 +9,13 @@ as a whole); these two functions serve code that assembles the states itself, as
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from hasten.checkpointing import files
 from hasten.checkpointing.rng import capture_rng_state, restore_rng_state
+from hasten.exceptions import ConfigurationError
 from hasten.state_helpers import save
 
 
@@ -46,6 +48,31 @@ def save_accelerator_state(output_dir: str | os.PathLike[str], model_states: lis
     return folder
 
 
+def check_load_kwargs(call: str, load_kwargs: Mapping[str, Any] | None) -> None:
+    """Check Accelerate's ``load_kwargs`` (its options for ``torch.load`` of optimizer and scheduler files).
+
+    hasten reads those files itself, with ``torch.load(weights_only=True)`` and an allow-list (and
+    ``map_location`` from the call's own argument), so ``{"weights_only": True}`` is all it can honour;
+    anything else is refused rather than dropped.
+
+    Raises:
+        ConfigurationError: names the keys and the fix.
+    """
+    options = dict(load_kwargs or {})
+    if options.get("weights_only", True) is True:
+        options.pop("weights_only", None)
+    else:
+        raise ConfigurationError(
+            f"{call}(load_kwargs={{'weights_only': {options['weights_only']!r}}}): hasten reads every checkpoint file "
+            "with weights_only=True and an allow-list, so a file never runs code. To load a class of your own in a "
+            "registered object, trust it with hasten.checkpointing.add_safe_types(<class>) before loading.")
+    if options:
+        raise ConfigurationError(
+            f"{call}(load_kwargs=...) got options hasten does not use: {', '.join(sorted(options))}. hasten reads "
+            "optimizer and scheduler files itself (torch.load(weights_only=True), placed by map_location); "
+            "remove them.")
+
+
 def load_accelerator_state(input_dir: str | os.PathLike[str], models: list[Any], optimizers: list[Any],
                            schedulers: list[Any], dataloaders: list[Any], process_index: int, scaler: Any = None,
                            map_location: Any = None, load_kwargs: dict[str, Any] | None = None,
@@ -53,12 +80,19 @@ def load_accelerator_state(input_dir: str | os.PathLike[str], models: list[Any],
     """Load what :func:`save_accelerator_state` (or Accelerate's) wrote into the given objects; restores this
     process's generators. Returns ``{"step": ...}`` (Accelerate's override attributes).
 
-    ``load_model_func_kwargs`` go to the models' ``load_state_dict`` (``strict``); ``map_location``
-    places optimizer states (default ``"cpu"``); files are read weights-only.
+    ``load_model_func_kwargs`` go to the models' ``load_state_dict`` (``strict``, as Accelerate's
+    ``load_model`` takes); ``map_location`` places optimizer states (default ``"cpu"``); files are read
+    weights-only (``load_kwargs``: see :func:`check_load_kwargs`).
 
     Raises:
+        ConfigurationError: ``load_kwargs`` or ``load_model_func_kwargs`` it does not use (named).
         CheckpointError: a file is missing, truncated, or does not match its object (named in the message).
     """
+    check_load_kwargs("load_accelerator_state", load_kwargs)
+    unused = sorted(set(load_model_func_kwargs) - {"strict"})
+    if unused:
+        raise ConfigurationError(f"load_accelerator_state() got keyword arguments it does not use: {', '.join(unused)}; "
+                                 "the models' loading takes `strict` only (as Accelerate's safetensors load_model).")
     folder = Path(input_dir)
     strict = bool(load_model_func_kwargs.get("strict", True))
     for i, model in enumerate(models):
@@ -80,4 +114,4 @@ def load_accelerator_state(input_dir: str | os.PathLike[str], models: list[Any],
     return {"step": step}
 
 
-__all__ = ["load_accelerator_state", "save_accelerator_state"]
+__all__ = ["check_load_kwargs", "load_accelerator_state", "save_accelerator_state"]

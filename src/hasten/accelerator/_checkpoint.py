@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hasten.accelerator._base import AcceleratorBase
 from hasten.accelerator._preemption import no_stop_inside
+from hasten.accelerator_state_files import check_load_kwargs
 from hasten.checkpointing import write_model_files
 from hasten.checkpointing.manager import CheckpointManager, Ranks, TrainingObjects
 from hasten.state_helpers import writes_shared_files
@@ -56,13 +57,19 @@ class CheckpointMixin(AcceleratorBase):
         (``output_dir`` is ignored) and old checkpoints beyond ``total_limit`` are removed.
         Call it on every process. ``async_save=True`` (hasten) returns once the state is serialised in
         host memory; writing and publication finish in the background (:meth:`wait_for_checkpoint`).
+        ``save_model_func_kwargs`` go, as in Accelerate, to DeepSpeed's ``engine.save_checkpoint``
+        (``client_state``, ``save_latest``, ``exclude_frozen_parameters``); without DeepSpeed they are refused.
 
         Returns:
             The checkpoint folder.
+
+        Raises:
+            ConfigurationError: a keyword argument nothing would use (named), before anything is written.
+            CheckpointError: the save failed on some process: the same message on every process.
         """
         return self._checkpoint_manager().save(
             self._training_objects(), output_dir, config=self.project_configuration, writer=self._writes_shared_files(),
-            safe_serialization=safe_serialization, async_save=async_save)
+            safe_serialization=safe_serialization, async_save=async_save, engine_kwargs=save_model_func_kwargs)
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the save started with ``save_state(..., async_save=True)`` is published (hasten).
@@ -91,16 +98,24 @@ class CheckpointMixin(AcceleratorBase):
         another number of processes loads with a warning naming the random states it drops or derives;
         data loaders continue at the saved global sample (docs/checkpointing.md).
 
+        As in Accelerate, ``strict`` goes to the models' loading and ``load_kwargs`` are the options of
+        reading optimizer and scheduler files (hasten honours ``{"weights_only": True}``, its own way);
+        the other ``load_model_func_kwargs`` go to DeepSpeed's ``engine.load_checkpoint``
+        (``load_optimizer_states``, ``load_module_only``, ...); without DeepSpeed they are refused.
+
         Raises:
+            ConfigurationError: a keyword argument or ``load_kwargs`` option nothing would use (named),
+                before anything is read.
             CheckpointError: a missing folder or file, a damaged file, or a folder that does not match
                 what was prepared (models, optimizers, registered objects, number of processes); raised
                 with the same message on every process, before anything changed.
         """
+        check_load_kwargs("load_state", load_kwargs)
+        options = dict(load_model_func_kwargs)
         folder, step = self._checkpoint_manager().load(
             self._training_objects(), input_dir, config=self.project_configuration,
-            strict=bool(load_model_func_kwargs.pop("strict", True)),
-            map_location=load_model_func_kwargs.pop("map_location", None),
-            verify_checksums=bool(load_model_func_kwargs.pop("verify_checksums", True)))
+            strict=bool(options.pop("strict", True)), map_location=options.pop("map_location", None),
+            verify_checksums=bool(options.pop("verify_checksums", True)), engine_kwargs=options)
         self.step = step
         self.gradient_state._set_sync_gradients(self.step % self.gradient_state.num_steps == 0)
         return folder

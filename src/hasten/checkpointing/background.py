@@ -13,8 +13,9 @@ a background thread (one per process):
    then CRC-32s and fsyncs it (:class:`hasten.checkpointing.sealing.Sealer`);
 2. tells the other processes it is done (or that it failed) on a process group of its own (gloo),
    so that it never interleaves with the training loop's collectives;
-3. once **every** process's files are durable, publishes the folder exactly as a synchronous save
-   does (manifest, atomic swap, rotation), and prunes old checkpoints.
+3. once **every** process's files are durable, publishes the folder and prunes old checkpoints with
+   the sequence a synchronous save runs (:func:`hasten.checkpointing.publication.publish_agreed`:
+   manifest, atomic swap, rotation, the processes agreeing after each step).
 
 Until step 3 the previous checkpoint is untouched, so a crash or ``kill -9`` at any moment leaves it
 loadable, never a half one. At most one save is in flight: the next ``save_state``, ``load_state``,
@@ -42,12 +43,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from hasten.checkpointing import at_exit, sealing
+from hasten.checkpointing.naming import run_stage_hooks
+from hasten.checkpointing.publication import (
+    Publication,
+    attempt,
+    failure_text,
+    first_failure,
+    publish_agreed,
+    raise_failure,
+)
 from hasten.checkpointing.staging import StagingBuffers
 from hasten.exceptions import CheckpointError
 
@@ -56,6 +65,7 @@ Writer = Callable[[Any, Path], Any]  # write(state, file): what a synchronous sa
 CollectiveWriter = Callable[[Any, Path, Any], Any]
 _WRITTEN = object()  # a file already written on the calling thread: only sealed in the background
 _CAPTURING: dict[Path, Snapshot] = {}
+_WHAT = "The background save"  # the failure's subject (raise_failure)
 _LOCK = threading.Lock()
 
 
@@ -93,7 +103,7 @@ class Snapshot:
         try:
             while self.collective and agreed is None:
                 path, write, staged = self.collective.pop(0)  # the copy is dropped as soon as it is written
-                error = _attempt(partial(_write_together, write, staged, path, coordinator.group, after_folder))[1]
+                error = attempt(partial(_write_together, write, staged, path, coordinator.group, after_folder))[1]
                 del staged
                 agreed = coordinator.first_error(error)
         finally:
@@ -133,8 +143,7 @@ def _write_together(write: CollectiveWriter, staged: Any, path: Path, group: Any
     try:
         write(staged, path, group)
     except Exception as exc:
-        reason = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-        raise CheckpointError(f"writing {path} failed: {reason}") from exc
+        raise CheckpointError(f"writing {path} failed: {failure_text(exc)}") from exc
     if after is not None:
         after(path)
 
@@ -193,72 +202,22 @@ class Coordinator:
 
         everyone: list[str | None] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, error, group=self.group)
-        for rank, message in enumerate(everyone):
-            if message is not None:
-                return f"process {rank}: {message}"
-        return None
-
-
-@dataclass
-class Publication:
-    """What the background thread needs to publish a save (plain values: it never touches the Accelerator)."""
-
-    target: Path
-    staging: Path
-    num_processes: int
-    is_main: bool
-    is_local_main: bool
-    prune_limit: int | None  # automatic naming: prune beyond this many (None: no pruning)
-    automatic: bool
-
-
-def _attempt(step: Callable[[], Any]) -> tuple[Any, str | None]:
-    try:
-        return step(), None
-    except Exception as exc:  # noqa: BLE001 - agreed with the other processes, then raised on every one
-        return None, str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+        return first_failure(everyone)
 
 
 def finish(snapshot: Snapshot, pub: Publication, coordinator: Coordinator) -> None:
-    """The background part: write and seal, agree, publish, prune (same steps as a synchronous save)."""
-    from hasten.checkpointing.naming import publish, run_stage_hooks
-
+    """The background part: write and seal, then publish and prune (:func:`publish_agreed`, the
+    sequence a synchronous save runs), the processes agreeing on the coordinator's group."""
     def written(path: Path) -> None:
         run_stage_hooks("async_written", path)
 
     # First the folders every process writes together (DCP's), in the order the save added them, then
     # this process's own files. One thread, one order, one group: collectives never interleave.
     agreed = snapshot.write_collective(coordinator, written)
-    sealed: dict[str, tuple[int, str]] | None = None
-    if agreed is None:
-        sealed, error = _attempt(lambda: snapshot.write_out(written))
-        if error is None:
-            _, error = _attempt(lambda: run_stage_hooks("before_publish", pub.staging))
-        agreed = coordinator.first_error(error)
-    else:
-        snapshot.files.clear()
-    steps: list[tuple[bool, Callable[[], Any]]] = [
-        (pub.is_main, lambda: publish(pub.target, pub.num_processes, sealed)),
-        # machines that do not share the main process's file system publish their own copy
-        (pub.is_local_main and not pub.is_main, lambda: publish(pub.target, pub.num_processes, sealed)),
-        (pub.is_main and pub.automatic, lambda: _published(pub)),
-    ]
-    for mine, step in steps:  # every process takes part in every agreement, whatever its role
-        if agreed is not None:
-            break
-        error = _attempt(step)[1] if mine else None
-        agreed = coordinator.first_error(error)
     if agreed is not None:
-        published = pub.target.exists() and not pub.staging.exists()
-        state = "it was published" if published else "nothing was published; the previous checkpoint is intact"
-        raise CheckpointError(f"The background save of {pub.target} failed ({state}): {agreed}")
-
-
-def _published(pub: Publication) -> None:
-    from hasten.checkpointing.naming import prune, run_stage_hooks
-
-    run_stage_hooks("published", pub.target)
-    prune(pub.target.parent, pub.prune_limit, keep=pub.target)  # only now: never zero checkpoints
+        snapshot.files.clear()
+        raise_failure(_WHAT, pub, agreed)
+    publish_agreed(pub, lambda: snapshot.write_out(written), coordinator.first_error, _WHAT)
 
 
 class BackgroundSaver:

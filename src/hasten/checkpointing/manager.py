@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,11 +49,16 @@ from hasten.checkpointing.naming import (
     newest_checkpoint,
     next_iteration,
     prepare_staging,
-    prune,
-    publish,
     recover,
     run_stage_hooks,
     staging_folder,
+)
+from hasten.checkpointing.publication import (
+    Publication,
+    agree_on_default_group,
+    attempt,
+    publish_agreed,
+    raise_failure,
 )
 from hasten.checkpointing.rng import capture_rng_state, derive_rng_state, restore_rng_state
 from hasten.checkpointing.sealing import Sealer
@@ -61,6 +66,8 @@ from hasten.checkpointing.transaction import Transaction
 from hasten.config.env import worker_group_restart
 from hasten.exceptions import CheckpointError
 from hasten.ops.collectives import barrier, broadcast_object_list, gather_object
+
+_WHAT = "The save"  # the failure's subject (raise_failure) on the calling thread
 
 
 class CheckedModels(Protocol):
@@ -77,13 +84,15 @@ class ModelCheckpointing(Protocol):
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None) -> None: ...
+             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None: ...
+
+    def engine_checkpoint_kwargs(self, call: str, kwargs: Mapping[str, Any]) -> dict[str, Any]: ...
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedModels: ...
 
     def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
-             checked: Any, *, strict: bool = True) -> None: ...
+             checked: Any, *, strict: bool = True, engine_kwargs: Mapping[str, Any] | None = None) -> None: ...
 
     def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]: ...
 
@@ -205,7 +214,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------------------------- saving
     def save(self, objects: TrainingObjects, output_dir: str | os.PathLike[str] | None = None, *,
              config: ProjectConfiguration | None = None, writer: bool | None = None,
-             safe_serialization: bool = True, async_save: bool = False) -> Path:
+             safe_serialization: bool = True, async_save: bool = False,
+             engine_kwargs: Mapping[str, Any] | None = None) -> Path:
         """Write ``objects`` into a new checkpoint folder and publish it; returns the folder. Every process calls it.
 
         Args:
@@ -215,12 +225,17 @@ class CheckpointManager:
             writer: whether this process writes the files all processes share (default: the main process).
             safe_serialization: model weights as safetensors (else ``pytorch_model.bin``).
             async_save: return once the state is captured in host memory; :meth:`wait` for publication.
+            engine_kwargs: for an engine that writes its own checkpoint (``save_state``'s extra
+                keyword arguments, checked by the strategy's ``engine_checkpoint_kwargs``).
 
         Raises:
-            CheckpointError: the folder cannot be used, the previous asynchronous save failed, or a
-                strategy cannot save inside an accumulation window (before anything is written).
+            ConfigurationError: ``engine_kwargs`` the strategy does not take (before anything is written).
+            CheckpointError: the folder cannot be used, the previous asynchronous save failed, a
+                strategy cannot save inside an accumulation window (before anything is written), or
+                a step of the save failed on some process (the same message on every process).
         """
         self.wait()  # at most one save in flight; raises the failure of the previous one
+        options = self.models.engine_checkpoint_kwargs("save_state", engine_kwargs or {})
         config = config if config is not None else ProjectConfiguration()
         writer = self.ranks.is_main if writer is None else writer
         target = self._target(output_dir, config)
@@ -228,26 +243,28 @@ class CheckpointManager:
         # captured first: a strategy that cannot keep them refuses here, before anything is written.
         gradients = [self.models.accumulated_gradients(m) for m in objects.models] if objects.accumulating else []
         self._start(target, config)
-        staging = staging_folder(target)
+        pub = Publication(target, staging_folder(target), self.ranks.num_processes, self.ranks.is_main,
+                          self.ranks.is_local_main, config.total_limit, bool(config.automatic_checkpoint_naming))
+        agree = agree_on_default_group(self.ranks.num_processes)
+        # The pre-hooks may fail on one process only; the strategy's writes that follow may be
+        # collective (DCP, DeepSpeed), so every process learns of it before any of them starts one.
+        weights, error = attempt(lambda: self._weights_for_save(objects, pub.staging))
+        agreed = agree(error)
+        if agreed is not None:
+            raise_failure(_WHAT, pub, agreed)
         if async_save:
-            return self._save_in_background(objects, target, staging, gradients, config, writer, safe_serialization)
-        sealer = Sealer(staging)  # each file checksummed as written, fsync'ed in the background
+            return self._save_in_background(objects, pub, weights, gradients, config, writer, safe_serialization,
+                                            options)
+        sealer = Sealer(pub.staging)  # each file checksummed as written, fsync'ed in the background
+
+        def write_and_seal() -> dict[str, tuple[int, str]]:
+            self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, sealer, options)
+            return sealer.finish()  # this process's files are durable before the others are told so
+
         try:
-            self._write(objects, staging, gradients, writer, safe_serialization, sealer)
-            sealed = sealer.finish()  # this process's files are durable before the others are told so
+            publish_agreed(pub, write_and_seal, agree, _WHAT)
         finally:
             sealer.close()
-        run_stage_hooks("before_publish", staging)
-        barrier()
-        if self.ranks.is_main:
-            publish(target, self.ranks.num_processes, sealed)
-        barrier()
-        if self.ranks.is_local_main and not self.ranks.is_main:
-            publish(target, self.ranks.num_processes, sealed)  # machines that do not share the main one's file system
-        barrier()
-        if self.ranks.is_main and config.automatic_checkpoint_naming:
-            run_stage_hooks("published", target)
-            prune(target.parent, config.total_limit, keep=target)  # only now: never zero checkpoints
         config.iteration += 1
         return target
 
@@ -296,14 +313,19 @@ class CheckpointManager:
         if self.ranks.is_main:
             run_stage_hooks("staged", staging_folder(target))
 
-    def _write(self, objects: TrainingObjects, staging: Path, gradients: list[dict[str, torch.Tensor]],
-               writer: bool, safe_serialization: bool, sealer: Sealer | None) -> None:
-        """This process's files (``sealer`` None: an asynchronous save captures them instead)."""
+    def _weights_for_save(self, objects: TrainingObjects, staging: Path) -> list[dict[str, torch.Tensor]]:
+        """The weights the strategy writes, after the save pre-hooks saw (and maybe edited) them."""
         weights = self.models.weights_for_save(objects.models)
         for hook in objects.save_hooks:
             hook(objects.models, weights, str(staging))
+        return weights
+
+    def _write(self, objects: TrainingObjects, staging: Path, weights: list[dict[str, torch.Tensor]],
+               gradients: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool,
+               sealer: Sealer | None, engine_kwargs: dict[str, Any]) -> None:
+        """This process's files (``sealer`` None: an asynchronous save captures them instead)."""
         self.models.save(objects.models, objects.raw_optimizers(), staging, weights=weights, writer=writer,
-                         safe_serialization=safe_serialization, sealer=sealer)
+                         safe_serialization=safe_serialization, sealer=sealer, engine_kwargs=engine_kwargs)
         if writer:
             self._write_shared_files(objects, staging, sealer)
         rng_file = staging / ckpt.RNG.format(rank=self.ranks.process_index)
@@ -329,34 +351,47 @@ class CheckpointManager:
         for i, obj in enumerate(objects.custom_objects):
             ckpt.torch_save(obj.state_dict(), folder / ckpt.CUSTOM.format(index=i), sealer=sealer)
 
-    def _save_in_background(self, objects: TrainingObjects, target: Path, staging: Path,
+    def _save_in_background(self, objects: TrainingObjects, pub: Publication, weights: list[dict[str, torch.Tensor]],
                             gradients: list[dict[str, torch.Tensor]], config: ProjectConfiguration, writer: bool,
-                            safe_serialization: bool) -> Path:
+                            safe_serialization: bool, engine_kwargs: dict[str, Any]) -> Path:
         if self.background is None:  # collective: every process creates the side group together
             self.background = background.BackgroundSaver(
                 background.Coordinator.create(self.ranks.num_processes, self.ranks.process_index))
-        with background.capture(staging, self.background.buffers) as snapshot:
-            self._write(objects, staging, gradients, writer, safe_serialization, sealer=None)
-        self.background.submit(snapshot, background.Publication(
-            target, staging, self.ranks.num_processes, self.ranks.is_main, self.ranks.is_local_main,
-            config.total_limit, bool(config.automatic_checkpoint_naming)))
+        buffers = self.background.buffers
+
+        def capture() -> background.Snapshot:
+            with background.capture(pub.staging, buffers) as snapshot:
+                self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, None,
+                            engine_kwargs)
+            return snapshot
+
+        snapshot, error = attempt(capture)
+        agreed = agree_on_default_group(self.ranks.num_processes)(error)
+        if agreed is not None:  # before the background thread starts: no process publishes
+            raise_failure(_WHAT, pub, agreed)
+        self.background.submit(snapshot, pub)
         config.iteration += 1
-        return target
+        return pub.target
 
     # ------------------------------------------------------------------------------------ loading
     def load(self, objects: TrainingObjects, input_dir: str | os.PathLike[str] | None = None, *,
              config: ProjectConfiguration | None = None, strict: bool = True, map_location: Any = None,
-             verify_checksums: bool = True) -> tuple[Path, int]:
+             verify_checksums: bool = True, engine_kwargs: Mapping[str, Any] | None = None) -> tuple[Path, int]:
         """Check a checkpoint, then restore it into ``objects``; returns the folder and the saved step counter.
 
         Every process calls it. ``input_dir=None`` with automatic naming loads the newest complete
         checkpoint, and the iteration counter of ``config`` continues after it.
 
+        ``engine_kwargs`` go to an engine that loads its own checkpoint (``load_state``'s extra keyword
+        arguments, checked by the strategy's ``engine_checkpoint_kwargs``).
+
         Raises:
+            ConfigurationError: ``engine_kwargs`` the strategy does not take (before anything is read).
             CheckpointError: a missing folder or file, a damaged file, or a folder that does not match
                 ``objects``; the same message on every process, and nothing changed.
         """
         self.wait()
+        options = self.models.engine_checkpoint_kwargs("load_state", engine_kwargs or {})
         config = config if config is not None else ProjectConfiguration()
         folder = self._resolve(input_dir, config)
         for hook in objects.load_hooks:
@@ -365,7 +400,7 @@ class CheckpointManager:
         plan = self._agree(lambda: self._read(objects, folder, strict, location, verify_checksums))
         if plan.warning and self.ranks.is_main:
             warnings.warn(plan.warning, UserWarning, stacklevel=3)  # the caller of Accelerator.load_state
-        step = self._apply(objects, plan, strict, folder)
+        step = self._apply(objects, plan, strict, folder, options)
         iteration = iteration_of(folder)
         if config.automatic_checkpoint_naming and iteration is not None:
             config.iteration = iteration + 1
@@ -474,7 +509,8 @@ class CheckpointManager:
         return _LoadPlan(checked, schedulers, loaders, custom, scaler, warning, rng_path, rng, gradients,
                          checks.saved_process_count(folder, manifest))
 
-    def _apply(self, objects: TrainingObjects, plan: _LoadPlan, strict: bool, folder: Path) -> int:
+    def _apply(self, objects: TrainingObjects, plan: _LoadPlan, strict: bool, folder: Path,
+               engine_kwargs: dict[str, Any]) -> int:
         # Everything was read and checked; apply the small states first, each with an undo, so a
         # failure (a registered object refusing its state) puts back what was already restored. The
         # processes agree after the small states (before the models, whose loading may be collective)
@@ -483,7 +519,7 @@ class CheckpointManager:
         self._agreed_step(tx, lambda: self._apply_small_states(tx, objects, plan))
         restored: list[int] = []
         self._agreed_step(tx, lambda: restored.append(self._apply_models_and_generators(tx, objects, plan, strict,
-                                                                                         folder)))
+                                                                                         folder, engine_kwargs)))
         return restored[0]
 
     def _agreed_step(self, tx: Transaction, action: Callable[[], Any]) -> None:
@@ -512,10 +548,11 @@ class CheckpointManager:
             tx.apply(f"registered object #{i} ({type(obj).__name__})", obj, state)
 
     def _apply_models_and_generators(self, tx: Transaction, objects: TrainingObjects, plan: _LoadPlan, strict: bool,
-                                     folder: Path) -> int:
+                                     folder: Path, engine_kwargs: dict[str, Any]) -> int:
         """Last, once every small state is in: the strategy's part, accumulated gradients, then the generators."""
         def load_models() -> None:
-            self.models.load(objects.models, objects.raw_optimizers(), folder, plan.checked, strict=strict)
+            self.models.load(objects.models, objects.raw_optimizers(), folder, plan.checked, strict=strict,
+                             engine_kwargs=engine_kwargs)
             for model, saved in zip(objects.models, plan.gradients):
                 if saved is not None:
                     self.models.restore_accumulated_gradients(model, saved[1], saved[0])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +16,7 @@ from hasten.base.imports import is_compiled_module
 from hasten.checkpointing import files as ckpt, restore_checks as checks
 from hasten.checkpointing.sealing import Sealer
 from hasten.environments import process_group
+from hasten.exceptions import ConfigurationError
 from hasten.precision import Precision
 
 
@@ -274,9 +275,28 @@ class Strategy:
         """
         return [self.model_state_dict(model) for model in models]
 
+    def engine_checkpoint_kwargs(self, call: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Check the extra keyword arguments of ``save_state``/``load_state`` (``call``); returns them.
+
+        Accelerate hands them to an engine that writes its own checkpoint (DeepSpeed's
+        ``save_checkpoint``/``load_checkpoint``); elsewhere it ignores them. No engine here reads
+        them, so any is refused rather than dropped.
+
+        Raises:
+            ConfigurationError: names the arguments and the fix.
+        """
+        if kwargs:
+            engine_call = "save_checkpoint" if call == "save_state" else "load_checkpoint"
+            own = " (load_state's own are strict, map_location, verify_checksums)" if call == "load_state" else ""
+            raise ConfigurationError(
+                f"{call}() got keyword arguments it does not use: {', '.join(sorted(kwargs))}. Accelerate passes "
+                f"extra {call} arguments only to DeepSpeed's engine.{engine_call}, and this run does not use "
+                f"DeepSpeed: remove them{own}.")
+        return {}
+
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None) -> None:
+             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         """Write model and optimizer state into ``folder`` (every process calls it).
 
         Base: the process that writes the shared files (``writer``) saves ``model{_i}.safetensors``
@@ -284,7 +304,9 @@ class Strategy:
         emptied is not written (the hook saved it). Files written through
         :mod:`hasten.checkpointing.files` get ``sealer`` (the save's: each is checksummed and fsync'ed
         as it is written); files an engine writes itself are checksummed when the save is published.
+        ``engine_kwargs``: what :meth:`engine_checkpoint_kwargs` accepted (base: none).
         """
+        self.engine_checkpoint_kwargs("save_state", engine_kwargs or {})
         if not writer:
             return
         for i, state in enumerate(weights):
@@ -317,12 +339,14 @@ class Strategy:
         return CheckedState(optimizer_states=optimizer_states, models=weights)
 
     def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
-             checked: CheckedState, *, strict: bool = True) -> None:
+             checked: CheckedState, *, strict: bool = True, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         """Load the strategy's part of what :meth:`check` returned (base: the model weights).
 
         Called on every process, after the facade applied ``checked.optimizer_states`` and the other
-        small states (model state is loaded last: it cannot be undone cheaply).
+        small states (model state is loaded last: it cannot be undone cheaply). ``engine_kwargs``:
+        what :meth:`engine_checkpoint_kwargs` accepted (base: none).
         """
+        self.engine_checkpoint_kwargs("load_state", engine_kwargs or {})
         for model, state in zip(models, checked.models):
             ckpt.load_model_weights(self.unwrap(model), state, strict=strict)
 

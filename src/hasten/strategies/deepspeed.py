@@ -13,9 +13,10 @@ hasten hands DeepSpeed the process group it already runs on, so DeepSpeed's worl
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,15 +296,34 @@ class DeepSpeedStrategy(Strategy):
         """Nothing to show the pre-hooks: the engine writes its own checkpoint."""
         return []
 
+    def engine_checkpoint_kwargs(self, call: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The extra ``save_state``/``load_state`` arguments, for ``engine.save_checkpoint``/``load_checkpoint``
+        (as Accelerate passes them: ``client_state``, ``exclude_frozen_parameters``, ``load_optimizer_states``, ...).
+
+        Raises:
+            ConfigurationError: an argument the engine's function does not take (named, with those it takes).
+        """
+        from deepspeed.runtime.engine import DeepSpeedEngine as engine  # imported with the strategy
+        function = engine.save_checkpoint if call == "save_state" else engine.load_checkpoint
+        taken = [name for name in inspect.signature(function).parameters
+                 if name not in ("self", "save_dir", "load_dir", "tag")]  # hasten chooses the folder and tag
+        unknown = sorted(set(kwargs) - set(taken))
+        if unknown:
+            raise ConfigurationError(f"{call}() got keyword arguments DeepSpeed's engine.{function.__name__} does not "
+                                     f"take: {', '.join(unknown)}. It takes {', '.join(taken)}.")
+        return dict(kwargs)
+
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None) -> None:
-        """``engine.save_checkpoint(folder, "pytorch_model")`` on every process (frozen models are not saved).
+             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+        """``engine.save_checkpoint(folder, "pytorch_model", **engine_kwargs)`` on every process (frozen models
+        are not saved).
 
         The engine writes its files itself (``sealer`` is unused): they are checksummed when the save is published.
         """
+        options = self.engine_checkpoint_kwargs("save_state", engine_kwargs or {})
         for tag, engine in self._engines(models):
-            engine.save_checkpoint(str(folder), tag=tag)
+            engine.save_checkpoint(str(folder), tag=tag, **options)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:
@@ -327,8 +347,10 @@ class DeepSpeedStrategy(Strategy):
         return CheckedState(models=universal)  # the engine loads models and optimizers itself
 
     def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
-             checked: CheckedState, *, strict: bool = True) -> None:
-        """``engine.load_checkpoint`` for every engine (from a universal conversion on another count)."""
+             checked: CheckedState, *, strict: bool = True, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+        """``engine.load_checkpoint(..., load_module_strict=strict, **engine_kwargs)`` for every engine (from a
+        universal conversion on another count)."""
+        options = {"load_module_strict": strict, **self.engine_checkpoint_kwargs("load_state", engine_kwargs or {})}
         universal: dict[str, int] = checked.models or {}
         root = self._convert_to_universal(Path(folder), universal) if universal else None
         try:
@@ -338,7 +360,7 @@ class DeepSpeedStrategy(Strategy):
                 previous = engine._config.load_universal_checkpoint
                 engine._config.load_universal_checkpoint = convert
                 try:
-                    path, _ = engine.load_checkpoint(str(source), tag=tag, load_module_strict=strict)
+                    path, _ = engine.load_checkpoint(str(source), tag=tag, **options)
                 finally:
                     engine._config.load_universal_checkpoint = previous
                 if path is None:

@@ -10,7 +10,7 @@ a one-rank mesh (its own single-process group if none exists), so the same scrip
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -293,8 +293,9 @@ class FSDP2Strategy(Strategy):
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None) -> None:
+             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         """SHARDED_STATE_DICT: DCP folders written by every rank; FULL_STATE_DICT: gathered files from rank 0."""
+        self.engine_checkpoint_kwargs("save_state", engine_kwargs or {})
         inner_models = [unwrap_common(m) for m in models]
         for i, model in enumerate(inner_models):
             if self._sharded_format:
@@ -340,8 +341,9 @@ class FSDP2Strategy(Strategy):
         return CheckedState()  # load() reads the folders/files itself (models and optimizers together)
 
     def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
-             checked: CheckedState, *, strict: bool = True) -> None:
+             checked: CheckedState, *, strict: bool = True, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         """Load what the checkpoint holds, whichever ``state_dict_type`` it was saved with."""
+        self.engine_checkpoint_kwargs("load_state", engine_kwargs or {})
         inner_models = [unwrap_common(m) for m in models]
         for i, model in enumerate(inner_models):
             path = sharded.model_dir(folder, i)

@@ -223,7 +223,18 @@ class FullyShardedDataParallelPlugin:
         self.validate_cpu_offload()
 
     def set_mixed_precision(self, mixed_precision: str, buffer_autocast: bool = False, override: bool = False) -> None:
-        """Set ``mixed_precision_policy`` from ``"no"``/``"fp16"``/``"bf16"`` unless one is set (or ``override``)."""
+        """Set ``mixed_precision_policy`` from ``"no"``/``"fp16"``/``"bf16"`` unless one is set (or ``override``).
+
+        ``buffer_autocast`` chooses FSDP1's buffer dtype in Accelerate (fp32 when True, else the
+        compute dtype). FSDP2, the only FSDP here, has no buffer dtype: buffers keep the dtype the
+        model gives them (what ``True`` asks for, with an fp32 model), as under Accelerate's FSDP2.
+
+        Raises:
+            ConfigurationError: ``buffer_autocast`` or ``override`` is not a bool.
+        """
+        for name, value in (("buffer_autocast", buffer_autocast), ("override", override)):
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"set_mixed_precision({name}={value!r}): pass True or False.")
         if self.mixed_precision_policy is None or override:
             self.mixed_precision_policy = None if str(mixed_precision) in ("no", "fp32", "None") else str(mixed_precision)
 
