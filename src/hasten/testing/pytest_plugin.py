@@ -39,16 +39,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Point the default configuration files at an empty folder for the session.
+    """Point hasten's default configuration file at an empty folder for the session.
 
     A bare ``Accelerator()`` (plain ``python``, ``torchrun``, forked test ranks) reads the default
-    ``hasten config`` / ``accelerate config`` file, so a developer's own file would change what the suite runs.
-    ``HF_HOME`` is Accelerate's location; the tests make their models from configs and never read its cache.
-    Tests that need a file name it (``HASTEN_HOME``/``ACCELERATE_CONFIG_FILE`` through ``monkeypatch``).
+    ``hasten config`` file, so a developer's own file would change what the suite runs. Accelerate's own
+    default file (under ``HF_HOME``) is left where it is: Accelerate's path constants, which the inventory
+    tests compare, are computed from it. Tests that need a file name it (``HASTEN_HOME`` /
+    ``ACCELERATE_CONFIG_FILE`` through ``monkeypatch``).
     """
-    home = tempfile.mkdtemp(prefix="hasten-test-home-")
-    os.environ["HASTEN_HOME"] = os.path.join(home, "hasten")
-    os.environ["HF_HOME"] = os.path.join(home, "huggingface")
+    os.environ["HASTEN_HOME"] = tempfile.mkdtemp(prefix="hasten-test-home-")
     os.environ.pop("ACCELERATE_CONFIG_FILE", None)
 
 
