@@ -11,10 +11,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 TABLE = Path(__file__).parent / "data" / "accelerate_inventory.json"
 ROWS: list[dict[str, Any]] = json.loads(TABLE.read_text())["names"]
@@ -141,6 +144,40 @@ def test_refusals_are_listed_in_the_migrating_page():
     page = (Path(__file__).resolve().parents[1] / "docs" / "migrating.md").read_text()
     missing = [name for name in refused_names() if f"`{name}`" not in page]
     assert not missing, f"refused names missing from docs/migrating.md's table: {missing}"
+
+
+SHOWN: dict[str, dict[str, Any]] = json.loads(TABLE.read_text())["shown"]
+
+
+def shown_problem(module_name: str, name: str, entry: dict[str, Any]) -> str | None:
+    """None when hasten's module at Accelerate's path shows ``name`` as Accelerate's does: the very object
+    hasten has where Accelerate defines it, and for a constant Accelerate's value."""
+    from accelerate_inventory import _data  # tools/ (on sys.path above): the one value-to-data conversion
+
+    where = f"{hasten_path(module_name)}.{name}"
+    module = importlib.import_module(hasten_path(module_name))
+    if not hasattr(module, name):
+        return f"{where} is missing ({entry['from']} defines it)"
+    value = getattr(module, name)
+    if "value" in entry and entry["value"] is not None and _data(value) != entry["value"]:
+        return f"{where} = {_data(value)!r}, Accelerate's is {entry['value']!r}"
+    home = getattr(importlib.import_module(hasten_path(entry["from"])), name, None)
+    return None if value is home else f"{where} is not {hasten_path(entry['from'])}.{name}"
+
+
+@pytest.mark.parametrize("module_name", sorted(SHOWN))
+def test_module_shows_the_names_accelerate_shows(module_name):
+    # Other code imports a name from where Accelerate's module shows it, not where it is defined:
+    # `from accelerate.checkpointing import MODEL_NAME`, `accelerate.utils.fsdp_utils.FSDP_MODEL_NAME`.
+    problems = [p for name, entry in SHOWN[module_name].items() if (p := shown_problem(module_name, name, entry))]
+    assert not problems, "\n".join(problems)
+
+
+def test_shown_table_covers_the_constants_other_tools_import():
+    assert SHOWN["accelerate.checkpointing"]["MODEL_NAME"] == {"from": "accelerate.utils.constants",
+                                                               "value": "pytorch_model"}
+    assert SHOWN["accelerate.utils.fsdp_utils"]["FSDP_MODEL_NAME"]["value"] == "pytorch_model_fsdp"
+    assert sum(len(names) for names in SHOWN.values()) > 350
 
 
 if __name__ == "__main__":  # a summary: how many of Accelerate's names resolve
