@@ -234,3 +234,27 @@ def test_an_overflow_flag_set_on_the_optimizer_stops_the_scheduler():
     optimizer._is_overflow = False
     scheduler.step()
     assert optimizer.optimizer.param_groups[0]["lr"] == 0.05
+
+
+def test_prepare_marks_what_it_returns_and_loaders_show_their_base_dataloader():
+    """Accelerate: ``prepare()`` sets ``_is_accelerate_prepared`` on the model, optimizer, scheduler and loader
+    it returns (other tools test it to avoid wrapping twice, and ``prepare`` again returns them unchanged);
+    every prepared loader has ``base_dataloader`` (the loader producing its batches), and
+    ``SeedableRandomSampler.epoch`` counts the passes (issue 35)."""
+    from hasten.data_loader import DataLoaderDispatcher, DataLoaderShard, SeedableRandomSampler
+    from hasten.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    prepared = accelerator.prepare(model, optimizer, scheduler, DataLoader(list(range(8)), batch_size=2))
+    assert [getattr(obj, "_is_accelerate_prepared", False) for obj in prepared] == [True] * 4
+    assert accelerator.prepare(*prepared[1:]) == tuple(prepared[1:])  # the same objects, not wrapped again
+    loader = prepared[3]
+    assert isinstance(loader, DataLoaderShard) and loader.base_dataloader is loader and len(loader.base_dataloader) == 4
+    dispatcher = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)).prepare(
+        DataLoader(list(range(8)), batch_size=2))
+    assert isinstance(dispatcher, DataLoaderDispatcher) and dispatcher.base_dataloader is dispatcher
+    sampler = SeedableRandomSampler(list(range(4)), data_seed=3)
+    assert sampler.epoch == 0 and sorted(sampler) == [0, 1, 2, 3] and sampler.epoch == 1
