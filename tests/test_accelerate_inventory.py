@@ -180,6 +180,23 @@ def test_shown_table_covers_the_constants_other_tools_import():
     assert sum(len(names) for names in SHOWN.values()) > 350
 
 
+def test_commands_utils_parser_takes_both_spellings_and_records_what_was_set():
+    """Accelerate's ``CustomArgumentParser``: ``--num-processes`` is ``--num_processes``, in groups too, and
+    ``namespace.nondefault`` names the options the command line set (a flag not given stays None, as there)."""
+    from hasten.commands.utils import CustomArgumentParser
+
+    parser = CustomArgumentParser()
+    parser.add_argument("--num_processes", type=int, default=1)
+    parser.add_argument("--use_cpu", action="store_true")
+    group = parser.add_argument_group("fsdp")
+    group.add_argument("--fsdp_version", type=int, default=1)
+    group.add_argument("--fsdp_offload_params", action="store_true")
+    args = parser.parse_args(["--num-processes", "2", "--fsdp-version", "2", "--fsdp_offload_params"])
+    assert (args.num_processes, args.use_cpu, args.fsdp_version, args.fsdp_offload_params) == (2, None, 2, True)
+    assert args.nondefault == {"num_processes", "fsdp_version", "fsdp_offload_params"}
+    assert not hasattr(parser.parse_args([]), "nondefault")
+
+
 if __name__ == "__main__":  # a summary: how many of Accelerate's names resolve
     bad = [(r, p) for r in ROWS if (p := check(r))]
     for row, problem in bad:

@@ -172,7 +172,6 @@ def _example_names(examples: Path, accelerator_members: set[str]) -> dict[tuple[
 # Module paths not inventoried name by name, and why.
 INTERNAL_MODULES = {
     "accelerate.commands.menu": "the terminal widgets of Accelerate's questionnaire; hasten's asks through its own",
-    "accelerate.commands.utils": "argparse helpers private to Accelerate's CLI",
 }
 # Packages whose modules are scripts: the package must exist, its scripts are hasten's own (same file names,
 # their helper functions are not API).

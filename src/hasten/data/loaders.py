@@ -189,8 +189,7 @@ class ResumableMixin:
 
     @property
     def base_dataloader(self) -> Any:
-        """The loader that produces the batches: this one, for every hasten loader (``DataLoaderShard``,
-        ``DataLoaderDispatcher``, ``SkipDataLoader``); Accelerate's adapters wrap a separate loader here."""
+        """The loader producing the batches: every hasten loader is its own (Accelerate's wrap one)."""
         return self
     _pending_skip: int = 0
     _pending_offset: int = 0  # samples into the epoch's order where the next pass starts
