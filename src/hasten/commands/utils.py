@@ -78,7 +78,8 @@ def _converted(action: argparse.Action) -> argparse.Action:
 class CustomArgumentGroup(argparse._ArgumentGroup):
     """An argument group whose options take both spellings and are noted in ``nondefault`` when set."""
 
-    def _add_action(self, action: argparse.Action) -> argparse.Action:
+    # typeshed ties the returned action's type to the argument's; this one returns the converted action.
+    def _add_action(self, action: argparse.Action) -> argparse.Action:  # type: ignore[override]
         return super()._add_action(_converted(action))
 
 
