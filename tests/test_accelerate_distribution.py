@@ -85,6 +85,10 @@ def test_accelerate_command_is_hasten_cli(venv, tmp_path):
     out = _ok([accelerate, "launch", "--cpu", "--num_processes", "2", train], tmp_path)
     assert sorted(line for line in out.splitlines() if line.startswith("RANK ")) == ["RANK 0 2 True",
                                                                                       "RANK 1 2 True"]
+    # `transformers env` imports accelerate itself (its console script, run with this venv's interpreter)
+    out = _ok([venv, "-c", "import sys; from transformers.cli.transformers import main; sys.argv[1:] = ['env']; "
+                           "sys.exit(main())"], tmp_path)
+    assert "- Accelerate version: 1.15.0" in out and "- Accelerate config: \tnot found" in out
 
 
 def test_refuses_to_build_or_import_beside_the_real_accelerate(venv, tmp_path):
