@@ -258,3 +258,26 @@ def test_prepare_marks_what_it_returns_and_loaders_show_their_base_dataloader():
     assert isinstance(dispatcher, DataLoaderDispatcher) and dispatcher.base_dataloader is dispatcher
     sampler = SeedableRandomSampler(list(range(4)), data_seed=3)
     assert sampler.epoch == 0 and sorted(sampler) == [0, 1, 2, 3] and sampler.epoch == 1
+
+
+def test_parallelism_config_mesh_helpers_return_accelerates_values():
+    """Accelerate: ``_get_mesh()`` is ``(names, sizes)`` of the dimensions larger than 1 (``()`` for none),
+    ``_set_size`` sets one size, ``_validate_accelerator`` accepts sizes of 1 on one process and refuses a
+    product other than the number of processes, in its own words (issue 35)."""
+    from hasten.parallelism_config import ParallelismConfig
+
+    assert ParallelismConfig(dp_shard_size=2, tp_size=2)._get_mesh() == (("dp_shard", "tp"), (2, 2))
+    assert ParallelismConfig()._get_mesh() == ()
+    assert ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)._get_mesh() == (("dp_replicate", "dp_shard"),
+                                                                                   (2, 2))
+    config = ParallelismConfig()
+    config._set_size("tp", 2)
+    assert config.tp_size == 2 and config._get_mesh() == (("tp",), (2,))
+    with pytest.raises(ValueError, match="Parallelism must be one of"):
+        config._set_size("pp", 2)
+    accelerator = Accelerator(cpu=True)
+    config = ParallelismConfig()
+    config._validate_accelerator(accelerator)
+    assert (config.dp_replicate_size, config.total_size) == (1, 1)
+    with pytest.raises(ValueError, match=r"^ParallelismConfig total_size \(2\) does not match num_processes \(1\)\."):
+        ParallelismConfig(dp_shard_size=2)._validate_accelerator(accelerator)
