@@ -281,3 +281,34 @@ def test_parallelism_config_mesh_helpers_return_accelerates_values():
     assert (config.dp_replicate_size, config.total_size) == (1, 1)
     with pytest.raises(ValueError, match=r"^ParallelismConfig total_size \(2\) does not match num_processes \(1\)\."):
         ParallelismConfig(dp_shard_size=2)._validate_accelerator(accelerator)
+
+
+def test_error_messages_that_accelerates_tests_match_start_with_its_wording(tmp_path):
+    """Accelerate's own tests match these messages (test_dataclasses, test_tracking, fsdp/test_fsdp,
+    test_state_checkpointing, test_data_loader): hasten's start with the same words, its hint follows."""
+    from torch.utils.data import BatchSampler
+
+    from hasten.data_loader import BatchSamplerShard
+    from hasten.parallelism_config import TorchContextParallelConfig
+    from hasten.utils import FullyShardedDataParallelPlugin
+
+    with pytest.raises(ValueError, match="Invalid cp_comm_strategy: invalid"):
+        TorchContextParallelConfig(cp_comm_strategy="invalid")
+    with pytest.raises(ValueError, match="Logging with `tensorboard` requires a `logging_dir`"):
+        Accelerator(cpu=True, log_with="tensorboard")
+    AcceleratorState._reset_state(True)
+    with pytest.raises(ValueError, match="round multiple"):
+        BatchSamplerShard(BatchSampler(range(20), batch_size=3, drop_last=False), 2, 0, split_batches=True)
+    with pytest.raises(ValueError, match="split_batches"):
+        BatchSamplerShard([[0, 1, 2, 3], [4, 5, 6, 7]], 2, 0, split_batches=True, even_batches=True)
+    plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                            transformer_cls_names_to_wrap="T5Layer")
+    with pytest.raises(ValueError) as caught:
+        plugin.set_auto_wrap_policy(nn.Sequential(nn.Linear(2, 2)))
+    assert "Could not find the transformer layer class T5Layer in the model." in str(caught.value)
+    accelerator = Accelerator(cpu=True)
+    model = nn.Linear(2, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    with pytest.raises(TypeError, match="Unsupported optimizer map location passed"):
+        accelerator.load_state(str(tmp_path / "ckpt"), map_location="invalid")

@@ -80,7 +80,8 @@ class TorchContextParallelConfig:
 
     def __post_init__(self) -> None:
         if self.cp_comm_strategy not in ("allgather", "alltoall"):
-            raise ConfigurationError(f"cp_comm_strategy={self.cp_comm_strategy!r}: choose 'allgather' or 'alltoall'.")
+            raise ConfigurationError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy}. Must be one of 'allgather' "
+                                     "or 'alltoall'.")
 
 
 @dataclass
