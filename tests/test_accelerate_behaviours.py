@@ -234,3 +234,81 @@ def test_an_overflow_flag_set_on_the_optimizer_stops_the_scheduler():
     optimizer._is_overflow = False
     scheduler.step()
     assert optimizer.optimizer.param_groups[0]["lr"] == 0.05
+
+
+def test_prepare_marks_what_it_returns_and_loaders_show_their_base_dataloader():
+    """Accelerate: ``prepare()`` sets ``_is_accelerate_prepared`` on the model, optimizer, scheduler and loader
+    it returns (other tools test it to avoid wrapping twice, and ``prepare`` again returns them unchanged);
+    every prepared loader has ``base_dataloader`` (the loader producing its batches), and
+    ``SeedableRandomSampler.epoch`` counts the passes (issue 35)."""
+    from hasten.data_loader import DataLoaderDispatcher, DataLoaderShard, SeedableRandomSampler
+    from hasten.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    prepared = accelerator.prepare(model, optimizer, scheduler, DataLoader(list(range(8)), batch_size=2))
+    assert [getattr(obj, "_is_accelerate_prepared", False) for obj in prepared] == [True] * 4
+    assert accelerator.prepare(*prepared[1:]) == tuple(prepared[1:])  # the same objects, not wrapped again
+    loader = prepared[3]
+    assert isinstance(loader, DataLoaderShard) and loader.base_dataloader is loader and len(loader.base_dataloader) == 4
+    dispatcher = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)).prepare(
+        DataLoader(list(range(8)), batch_size=2))
+    assert isinstance(dispatcher, DataLoaderDispatcher) and dispatcher.base_dataloader is dispatcher
+    sampler = SeedableRandomSampler(list(range(4)), data_seed=3)
+    assert sampler.epoch == 0 and sorted(sampler) == [0, 1, 2, 3] and sampler.epoch == 1
+
+
+def test_parallelism_config_mesh_helpers_return_accelerates_values():
+    """Accelerate: ``_get_mesh()`` is ``(names, sizes)`` of the dimensions larger than 1 (``()`` for none),
+    ``_set_size`` sets one size, ``_validate_accelerator`` accepts sizes of 1 on one process and refuses a
+    product other than the number of processes, in its own words (issue 35)."""
+    from hasten.parallelism_config import ParallelismConfig
+
+    assert ParallelismConfig(dp_shard_size=2, tp_size=2)._get_mesh() == (("dp_shard", "tp"), (2, 2))
+    assert ParallelismConfig()._get_mesh() == ()
+    assert ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)._get_mesh() == (("dp_replicate", "dp_shard"),
+                                                                                   (2, 2))
+    config = ParallelismConfig()
+    config._set_size("tp", 2)
+    assert config.tp_size == 2 and config._get_mesh() == (("tp",), (2,))
+    with pytest.raises(ValueError, match="Parallelism must be one of"):
+        config._set_size("pp", 2)
+    accelerator = Accelerator(cpu=True)
+    config = ParallelismConfig()
+    config._validate_accelerator(accelerator)
+    assert (config.dp_replicate_size, config.total_size) == (1, 1)
+    with pytest.raises(ValueError, match=r"^ParallelismConfig total_size \(2\) does not match num_processes \(1\)\."):
+        ParallelismConfig(dp_shard_size=2)._validate_accelerator(accelerator)
+
+
+def test_error_messages_that_accelerates_tests_match_start_with_its_wording(tmp_path):
+    """Accelerate's own tests match these messages (test_dataclasses, test_tracking, fsdp/test_fsdp,
+    test_state_checkpointing, test_data_loader): hasten's start with the same words, its hint follows."""
+    from torch.utils.data import BatchSampler
+
+    from hasten.data_loader import BatchSamplerShard
+    from hasten.parallelism_config import TorchContextParallelConfig
+    from hasten.utils import FullyShardedDataParallelPlugin
+
+    with pytest.raises(ValueError, match="Invalid cp_comm_strategy: invalid"):
+        TorchContextParallelConfig(cp_comm_strategy="invalid")
+    with pytest.raises(ValueError, match="Logging with `tensorboard` requires a `logging_dir`"):
+        Accelerator(cpu=True, log_with="tensorboard")
+    AcceleratorState._reset_state(True)
+    with pytest.raises(ValueError, match="round multiple"):
+        BatchSamplerShard(BatchSampler(range(20), batch_size=3, drop_last=False), 2, 0, split_batches=True)
+    with pytest.raises(ValueError, match="split_batches"):
+        BatchSamplerShard([[0, 1, 2, 3], [4, 5, 6, 7]], 2, 0, split_batches=True, even_batches=True)
+    plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                            transformer_cls_names_to_wrap="T5Layer")
+    with pytest.raises(ValueError) as caught:
+        plugin.set_auto_wrap_policy(nn.Sequential(nn.Linear(2, 2)))
+    assert "Could not find the transformer layer class T5Layer in the model." in str(caught.value)
+    accelerator = Accelerator(cpu=True)
+    model = nn.Linear(2, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    with pytest.raises(TypeError, match="Unsupported optimizer map location passed"):
+        accelerator.load_state(str(tmp_path / "ckpt"), map_location="invalid")

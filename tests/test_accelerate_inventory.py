@@ -143,6 +143,53 @@ def test_refusals_are_listed_in_the_migrating_page():
     assert not missing, f"refused names missing from docs/migrating.md's table: {missing}"
 
 
+SHOWN: dict[str, dict[str, Any]] = json.loads(TABLE.read_text())["shown"]
+
+
+def shown_problem(module_name: str, name: str, entry: dict[str, Any]) -> str | None:
+    """None when hasten's module at Accelerate's path shows ``name`` as Accelerate's does: the very object
+    hasten has where Accelerate defines it (whose value tests/test_accelerate_modules.py checks there)."""
+    where = f"{hasten_path(module_name)}.{name}"
+    module = importlib.import_module(hasten_path(module_name))
+    if not hasattr(module, name):
+        return f"{where} is missing ({entry['from']} defines it)"
+    value = getattr(module, name)
+    home = getattr(importlib.import_module(hasten_path(entry["from"])), name, None)
+    return None if value is home else f"{where} is not {hasten_path(entry['from'])}.{name}"
+
+
+@pytest.mark.parametrize("module_name", sorted(SHOWN))
+def test_module_shows_the_names_accelerate_shows(module_name):
+    # Other code imports a name from where Accelerate's module shows it, not where it is defined:
+    # `from accelerate.checkpointing import MODEL_NAME`, `accelerate.utils.fsdp_utils.FSDP_MODEL_NAME`.
+    problems = [p for name, entry in SHOWN[module_name].items() if (p := shown_problem(module_name, name, entry))]
+    assert not problems, "\n".join(problems)
+
+
+def test_shown_table_covers_the_constants_other_tools_import():
+    assert SHOWN["accelerate.checkpointing"]["MODEL_NAME"] == {"from": "accelerate.utils.constants",
+                                                               "value": "pytorch_model"}
+    assert SHOWN["accelerate.utils.fsdp_utils"]["FSDP_MODEL_NAME"]["value"] == "pytorch_model_fsdp"
+    assert sum(len(names) for names in SHOWN.values()) > 350
+
+
+def test_commands_utils_parser_takes_both_spellings_and_records_what_was_set():
+    """Accelerate's ``CustomArgumentParser``: ``--num-processes`` is ``--num_processes``, in groups too, and
+    ``namespace.nondefault`` names the options the command line set (a flag not given stays None, as there)."""
+    from hasten.commands.utils import CustomArgumentParser
+
+    parser = CustomArgumentParser()
+    parser.add_argument("--num_processes", type=int, default=1)
+    parser.add_argument("--use_cpu", action="store_true")
+    group = parser.add_argument_group("fsdp")
+    group.add_argument("--fsdp_version", type=int, default=1)
+    group.add_argument("--fsdp_offload_params", action="store_true")
+    args = parser.parse_args(["--num-processes", "2", "--fsdp-version", "2", "--fsdp_offload_params"])
+    assert (args.num_processes, args.use_cpu, args.fsdp_version, args.fsdp_offload_params) == (2, None, 2, True)
+    assert args.nondefault == {"num_processes", "fsdp_version", "fsdp_offload_params"}
+    assert not hasattr(parser.parse_args([]), "nondefault")
+
+
 if __name__ == "__main__":  # a summary: how many of Accelerate's names resolve
     bad = [(r, p) for r in ROWS if (p := check(r))]
     for row, problem in bad:

@@ -4,12 +4,13 @@ Ground truth: Accelerate 1.15's own environment builders run on the same configu
 """
 
 import json
+import sys
 
 import pytest
 
 from hasten.config.env import accelerate_launch_env, launch_config_to_env
 from hasten.config.io import load_config_file
-from hf_stack_helpers import accelerate_python, hasten_launch, run, script
+from hf_stack_helpers import accelerate_python, hasten_launch, hf_python, run, script
 
 CONFIGS = {
     "cpu_bf16": "distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nmixed_precision: bf16\n",
@@ -52,6 +53,41 @@ def test_same_variables_and_values_as_accelerate_launch(name, accelerates_env):
     exported = launch_config_to_env(config)  # next to HASTEN_LAUNCH_CONFIG, from the same dict
     assert json.loads(exported.pop("HASTEN_LAUNCH_CONFIG")) == json.loads(json.dumps(config))
     assert exported == expected[name]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_accelerates_launcher_helpers_return_accelerates_values(name, accelerates_env):
+    """The same script, on hasten through the alias: ``_validate_launch_command``, ``prepare_multi_gpu_env`` and
+    ``prepare_simple_launcher_cmd_env`` return what Accelerate's return, instead of refusing (issue 35)."""
+    folder, expected = accelerates_env
+    on_hasten = script(folder, "import runpy, sys, hasten\nhasten.install_as_accelerate()\n"
+                               "runpy.run_path(sys.argv.pop(1), run_name='__main__')\n", "on_hasten.py")
+    out = run([hf_python(), on_hasten, str(folder / "env.py"), str(folder / f"{name}.yaml")], folder)
+    assert json.loads(out.strip().splitlines()[-1]) == expected[name]
+
+
+def test_launch_helpers_complete_the_namespace_and_build_the_command(tmp_path, monkeypatch):
+    from hasten.commands.launch import launch_command_parser
+    from hasten.commands.launch_env import (
+        _convert_nargs_to_dict,
+        _validate_launch_command,
+        prepare_simple_launcher_cmd_env,
+    )
+
+    monkeypatch.delenv("HASTEN_CONFIG_FILE", raising=False)
+    (tmp_path / "cpu.yaml").write_text(CONFIGS["cpu_bf16"])
+    parsed = launch_command_parser().parse_args(["--config_file", str(tmp_path / "cpu.yaml"), "-m", "pkg.train", "--lr", "1"])
+    args, defaults, mp_from_config = _validate_launch_command(parsed)
+    assert (args.num_processes, args.mixed_precision, args.use_cpu, args.multi_gpu, args.use_fsdp) == (2, "bf16", True,
+                                                                                                      False, False)
+    assert defaults.num_processes == 2 and mp_from_config is True
+    command, env = prepare_simple_launcher_cmd_env(args)
+    assert command == [sys.executable, "-m", "pkg.train", "--lr", "1"]
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and env["MASTER_PORT"] == "29500"
+    assert _convert_nargs_to_dict(["--epochs", "3", "--lr", "0.5", "--name", "x", "--fast", "True"]) == {
+        "epochs": 3, "lr": 0.5, "name": "x", "fast": True}
+    with pytest.raises(ValueError, match="store_true"):
+        _convert_nargs_to_dict(["--fast", "--epochs", "3"])
 
 
 @pytest.mark.launch

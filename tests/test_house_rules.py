@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hasten"
 # statement is (module level or inside a function); only `if TYPE_CHECKING:` blocks are exempt.
 LAYERS = [
     ["hasten.exceptions", "hasten._lazy", "hasten._accelerate_alias", "hasten._accelerate_paths", "hasten._private_api",
-     "hasten.base"],
+     "hasten._accelerate_shown", "hasten.base"],
     ["hasten.config", "hasten.parallelism_config"],
     ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],

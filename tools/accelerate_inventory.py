@@ -6,7 +6,8 @@ Run with an interpreter that has Accelerate installed (a separate venv, so haste
 
 ``modules`` lists every importable module of Accelerate with the public names it defines, constants
 and enum members with their values, classes with their public class attributes and dataclass defaults
-(``tests/test_accelerate_modules.py`` checks hasten's same paths against them).
+(``tests/test_accelerate_modules.py`` checks hasten's same paths against them); ``shown`` lists, per
+module, the Accelerate names it re-exports from another module (``tests/test_accelerate_inventory.py``).
 
 One row per public name: its module (Accelerate's path), name, kind (class, function, constant,
 method, staticmethod, classmethod, property) and parameter names. Methods of Accelerate's own
@@ -171,7 +172,6 @@ def _example_names(examples: Path, accelerator_members: set[str]) -> dict[tuple[
 # Module paths not inventoried name by name, and why.
 INTERNAL_MODULES = {
     "accelerate.commands.menu": "the terminal widgets of Accelerate's questionnaire; hasten's asks through its own",
-    "accelerate.commands.utils": "argparse helpers private to Accelerate's CLI",
 }
 # Packages whose modules are scripts: the package must exist, its scripts are hasten's own (same file names,
 # their helper functions are not API).
@@ -262,6 +262,92 @@ def module_table() -> dict[str, dict[str, Any]]:
                 names[name] = {"kind": "constant", "value": _data(obj)}
         table[module_name] = names
     return table
+
+
+def _defining_module(name: str, obj: Any, defined: dict[str, dict[str, Any]]) -> str | None:
+    """The module of ``defined`` where ``obj`` (shown elsewhere under ``name``) is defined, if Accelerate's."""
+    if inspect.isclass(obj) or inspect.isfunction(obj):
+        owner = getattr(obj, "__module__", "")
+        return owner if name in defined.get(owner, {}) else None
+    for module_name, names in defined.items():  # a constant: the module that assigns this very object
+        if names.get(name, {}).get("kind") == "constant" and getattr(
+                importlib.import_module(module_name), name, None) is obj:
+            return module_name
+    return None
+
+
+def shown_table(defined: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Module -> the Accelerate names it shows but defines elsewhere (``from .constants import MODEL_NAME``):
+    name -> the defining module, and the value for a constant. Facades (``accelerate``, ``accelerate.utils``)
+    are left out: their rows in ``names`` cover them."""
+    table: dict[str, dict[str, Any]] = {}
+    for module_name in sorted(defined):
+        if module_name in FACADE_MODULES:
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # as in module_table
+            continue
+        shown: dict[str, Any] = {}
+        for name in sorted(dir(module)):
+            obj = getattr(module, name)
+            if name.startswith("_") or name in SKIP_NAMES or name in defined[module_name] or isinstance(
+                    obj, types.ModuleType):
+                continue
+            source = _defining_module(name, obj, defined)
+            if source is not None and source != module_name:
+                entry: dict[str, Any] = {"from": source}
+                if defined[source][name]["kind"] == "constant":
+                    entry["value"] = _data(obj)
+                shown[name] = entry
+        if shown:
+            table[module_name] = shown
+    return table
+
+
+SHOWN_MODULE = Path(__file__).resolve().parents[1] / "src" / "hasten" / "_accelerate_shown.py"
+_SHOWN_HEADER = '''"""The names each Accelerate module shows but defines elsewhere (its imports: ``accelerate.checkpointing``
+shows ``MODEL_NAME`` from ``accelerate.utils.constants``), as hasten paths: hasten module -> name -> the
+hasten module at the path where Accelerate defines it. ``hasten._lazy``'s module ``__getattr__`` functions
+look a missing name up here, so the name resolves to the one definition on first use.
+
+Written by ``tools/accelerate_inventory.py`` from an installed Accelerate (its ``shown`` table); do not edit.
+"""
+
+from __future__ import annotations
+
+
+def _names(module: str, names: str) -> dict[str, str]:
+    return dict.fromkeys(names.split(), module)
+
+
+SHOWN: dict[str, dict[str, str]] = {
+'''
+
+
+def _hasten(module: str) -> str:
+    return "hasten" + module[len("accelerate"):]
+
+
+def write_shown_module(shown: dict[str, dict[str, Any]]) -> None:
+    """``src/hasten/_accelerate_shown.py`` from the ``shown`` table (grouped by defining module, wrapped)."""
+    import textwrap
+
+    lines = [_SHOWN_HEADER]
+    for module_name, names in sorted(shown.items()):
+        lines.append(f'    "{_hasten(module_name)}": {{\n')
+        by_source: dict[str, list[str]] = {}
+        for name, entry in sorted(names.items()):
+            by_source.setdefault(_hasten(entry["from"]), []).append(name)
+        for source, group in sorted(by_source.items()):
+            indent = 21 + len(source)  # under the first string: `        **_names("<source>", "`
+            wrapped = textwrap.wrap(" ".join(group), 110 - indent - 4)
+            body = "\n".join(" " * indent + '"' + part + (" " if i < len(wrapped) - 1 else "") + '"'
+                             for i, part in enumerate(wrapped)).lstrip()
+            lines.append(f'        **_names("{source}", {body}),\n')
+        lines.append("    },\n")
+    lines.append("}\n")
+    SHOWN_MODULE.write_text("".join(lines))
 
 
 def build(examples: Path | None) -> list[dict[str, Any]]:
@@ -393,6 +479,8 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     payload = {"accelerate_version": accelerate.__version__, "cli_options": cli_options(), "names": rows,
                "internal_modules": INTERNAL_MODULES, "script_packages": SCRIPT_PACKAGES, "modules": module_table()}
+    payload["shown"] = shown_table(payload["modules"])
+    write_shown_module(payload["shown"])
     OUT.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"{len(rows)} rows -> {OUT}")
     write_configs()

@@ -29,6 +29,8 @@ ACCELERATE_VERSION = "1.15.0"
 
 _ALIAS = "accelerate"
 _TARGET = "hasten"
+#: The line of ``compat/accelerate/accelerate/__init__.py`` that marks hasten's ``accelerate`` distribution.
+_COMPAT_MARKER = "__hasten_compat__ = True"
 _METADATA = f"Metadata-Version: 2.1\nName: accelerate\nVersion: {ACCELERATE_VERSION}\nSummary: hasten, installed as accelerate\n"
 
 
@@ -126,10 +128,21 @@ def real_accelerate_installed() -> bool:
 
     A folder named ``accelerate`` without ``__init__.py`` on the path (the working directory, say) does not
     count: it would import as an empty namespace package, and the path finder returns one only when no
-    regular package of that name is anywhere on ``sys.path``.
+    regular package of that name is anywhere on ``sys.path``. Nor does hasten's own ``accelerate``
+    distribution (``pip install ./compat/accelerate``), whose import hands the name to this alias.
     """
     spec = importlib.machinery.PathFinder.find_spec(_ALIAS)
-    return spec is not None and not _is_namespace_package(spec)
+    return spec is not None and not _is_namespace_package(spec) and not _is_hasten_distribution(spec)
+
+
+def _is_hasten_distribution(spec: importlib.machinery.ModuleSpec) -> bool:
+    """Whether ``spec`` is hasten's own ``accelerate`` distribution (``compat/accelerate``), which hands the
+    name to this alias when imported: its ``__init__.py`` sets ``__hasten_compat__``."""
+    try:
+        with open(spec.origin or "", encoding="utf-8") as init:
+            return _COMPAT_MARKER in init.read(4096)
+    except OSError:
+        return False
 
 
 def _imported_namespace_package() -> bool:

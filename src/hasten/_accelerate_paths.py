@@ -62,8 +62,10 @@ PATHS: dict[str, dict[str, str]] = {
     "hasten.utils.launch": {
         "PrepareForLaunch": "hasten.launchers.compat",
         "env_var_path_add": "hasten.base.environment",
-        **_names(_REFUSED, "prepare_deepspeed_cmd_env prepare_multi_gpu_env prepare_sagemager_args_inputs "
-                           "prepare_simple_launcher_cmd_env prepare_tpu prepare_extend_env_parallelism_config "
+        **_names("hasten.commands.launch_env", "prepare_multi_gpu_env prepare_simple_launcher_cmd_env "
+                                               "_convert_nargs_to_dict"),
+        **_names(_REFUSED, "prepare_deepspeed_cmd_env prepare_sagemager_args_inputs "
+                           "prepare_tpu prepare_extend_env_parallelism_config "
                            "setup_fp8_env"),
     },
     "hasten.utils.megatron_lm": {
@@ -117,5 +119,6 @@ PATHS: dict[str, dict[str, str]] = {
         **_names("hasten.commands.launch_compat", "CustomHelpFormatter clean_option deepspeed_launcher "
                                                   "multi_gpu_launcher options_to_group simple_launcher"),
         **_names(_REFUSED, "sagemaker_launcher tpu_launcher tpu_pod_launcher"),
+        "_validate_launch_command": "hasten.commands.launch_env",
     },
 }

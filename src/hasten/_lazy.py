@@ -21,7 +21,7 @@ def lazy_getattr(package: str, exports: Mapping[str, str], namespace: dict[str, 
     """
 
     def __getattr__(name: str) -> Any:
-        module = exports.get(name)
+        module = exports.get(name) or _shown_source(package, name)
         if module is None:
             # A submodule is an attribute of its package once imported; Accelerate's eager ``__init__``
             # imports them all, so ``accelerate.utils.modeling`` works without an import: so does hasten's.
@@ -60,7 +60,7 @@ def accelerate_path_getattr(package: str, namespace: dict[str, Any]) -> Callable
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         from hasten._accelerate_paths import PATHS
 
-        module = PATHS.get(package, {}).get(name)
+        module = PATHS.get(package, {}).get(name) or _shown_source(package, name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module), name)
@@ -68,3 +68,15 @@ def accelerate_path_getattr(package: str, namespace: dict[str, Any]) -> Callable
         return value
 
     return __getattr__
+
+
+def _shown_source(package: str, name: str) -> str | None:
+    """Where a name ``package`` shows in Accelerate but defines elsewhere lives in hasten
+    (:mod:`hasten._accelerate_shown`: ``hasten.checkpointing.MODEL_NAME`` is ``hasten.utils.constants``')."""
+    if name.startswith("__"):
+        return None
+    from hasten._accelerate_shown import SHOWN
+
+    if package.startswith("hasten.base."):  # the ground module that hasten.utils.<module> aliases
+        package = "hasten.utils." + package[len("hasten.base."):]
+    return SHOWN.get(package, {}).get(name)

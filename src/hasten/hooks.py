@@ -7,6 +7,7 @@ Example:
 """
 
 # ruff: noqa: F401
+from hasten._lazy import accelerate_path_getattr
 from hasten.big_modeling.attach import (
     attach_align_device_hook,
     attach_align_device_hook_on_blocks,
@@ -27,3 +28,6 @@ from hasten.big_modeling.hooks import (
 __all__ = ["AlignDevicesHook", "CpuOffload", "LayerwiseCastingHook", "ModelHook", "SequentialHook",
            "UserCpuOffloadHook", "add_hook_to_module", "attach_align_device_hook", "attach_align_device_hook_on_blocks",
            "attach_execution_device_hook", "remove_hook_from_module", "remove_hook_from_submodules"]
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.big_modeling import calculate_maximum_sizes, compute_module_sizes, infer_auto_device_map
 from hasten.exceptions import ConfigurationError
 from hasten.ops.collectives import pad_input_tensors
@@ -164,3 +165,6 @@ def prepare_pippy(model: nn.Module, split_points: str | list[str] | None = "auto
     forward.__wrapped__ = MethodType(forward, model)  # type: ignore[attr-defined]
     model.forward = forward  # type: ignore[method-assign]
     return model
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

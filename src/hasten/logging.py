@@ -18,6 +18,7 @@ import logging
 from collections.abc import MutableMapping
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.config.env import log_level as env_log_level
 
 
@@ -147,3 +148,6 @@ def tqdm(*args: Any, main_process_only: bool = True, **kwargs: Any) -> Any:
     if main_process_only and not disable:
         disable = PartialState().local_process_index != 0
     return _tqdm(*args, **kwargs, disable=disable)
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.ops.tree import send_to_device
 from hasten.optim import AcceleratedOptimizer
 
@@ -27,3 +28,6 @@ def patch_optimizer_step(accelerated_optimizer: AcceleratedOptimizer, method: Ca
         return method(*args, **kwargs)
 
     return patched_step
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -11,6 +11,10 @@ Example:
 
 from __future__ import annotations
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.config.parallelism import ParallelismConfig, TorchContextParallelConfig, TorchTensorParallelConfig
 
 __all__ = ["ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig"]
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

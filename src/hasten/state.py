@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.base.dataclasses import DistributedType, GradientAccumulationPlugin
 from hasten.base.environment import is_env_set, parse_flag_from_env
 from hasten.base.split import split_inputs
@@ -583,3 +584,6 @@ def _limit_cpu_threads(device_kind: Device, info: ProcessInfo) -> None:
     except ImportError:  # pragma: no cover - psutil is a dependency
         cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // max(info.local_world_size, 1)))
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

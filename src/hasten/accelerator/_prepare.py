@@ -47,6 +47,9 @@ class PrepareMixin(AcceleratorBase):
         args = self._prepare_models_and_optimizers(args, device_placement)
         first = [self._prepare_first_pass(obj, placement) for obj, placement in zip(args, device_placement)]
         result = tuple(self._prepare_scheduler_pass(obj) for obj in first)
+        for obj in result:  # as Accelerate marks what prepare() returns (models and loaders already are)
+            if any(obj is kept for kept in (*self._optimizers, *self._schedulers)):
+                obj._is_accelerate_prepared = True
         if self._optimizers:  # a training run: a preemption signal now stops it at a common step
             self._arm_preemption()  # type: ignore[attr-defined]
         return result[0] if len(result) == 1 else result

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from hasten._lazy import accelerate_path_getattr
+
 # Messages of the RuntimeErrors that mean "this batch does not fit" (as recognised by Accelerate).
 _OOM_MESSAGES = (
     " out of memory.",  # CUDA, ROCm/HIP, XPU
@@ -165,3 +167,6 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
             batch_size = reduce(batch_size)
 
     return decorator
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

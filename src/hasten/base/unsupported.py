@@ -45,8 +45,6 @@ DeepSpeedSequenceParallelConfig = refused_class("DeepSpeedSequenceParallelConfig
 contextual_fp8_autocast = refused_function("contextual_fp8_autocast", "model_forward fp8_recipe use_during_eval",
                                            TRANSFORMER_ENGINE)
 prepare_deepspeed_cmd_env = refused_function("prepare_deepspeed_cmd_env", "args", ACCELERATE_LAUNCHER)
-prepare_multi_gpu_env = refused_function("prepare_multi_gpu_env", "args", ACCELERATE_LAUNCHER)
-prepare_simple_launcher_cmd_env = refused_function("prepare_simple_launcher_cmd_env", "args", ACCELERATE_LAUNCHER)
 
 # accelerate.utils.bnb: bitsandbytes quantization
 get_keys_to_not_convert = refused_function("get_keys_to_not_convert", "model", BNB)

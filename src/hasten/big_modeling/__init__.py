@@ -2,6 +2,7 @@
 
 # ruff: noqa: F401, I001
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.big_modeling.attach import (attach_align_device_hook, attach_align_device_hook_on_blocks,
                                         attach_execution_device_hook)
 from hasten.big_modeling.device_map import check_device_map, clean_device_map, infer_auto_device_map
@@ -28,3 +29,6 @@ from hasten.big_modeling.tensors import (dtype_byte_size, find_tied_parameters, 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in {
     "attach", "device_map", "dispatch", "extras", "hooks", "init", "loading", "offload", "sizes", "tensors"}]
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

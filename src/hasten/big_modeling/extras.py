@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from hasten.base import constants
 from hasten.big_modeling.hooks import AlignDevicesHook, ModelHook, add_hook_to_module
 from hasten.big_modeling.tensors import find_tied_parameters, retie_parameters, set_module_tensor_to_device
 
-#: Layers whose weights ``attach_layerwise_casting_hooks`` stores in a low-precision dtype.
-SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-                                          nn.ConvTranspose3d, nn.Linear)
+#: Layers whose weights ``attach_layerwise_casting_hooks`` stores in a low-precision dtype (one tuple, defined
+#: in hasten.base.constants as Accelerate's in accelerate.utils.constants, so both paths show the same object).
+SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING = constants.SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING
 _DEFAULT_SKIP_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
 
 

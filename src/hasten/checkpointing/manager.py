@@ -70,6 +70,11 @@ from hasten.ops.collectives import barrier, broadcast_object_list, gather_object
 _WHAT = "The save"  # the failure's subject (raise_failure) on the calling thread
 
 
+class MapLocationError(CheckpointError, TypeError):
+    """``load_state(map_location=...)`` got a value other than None, 'cpu' or 'on_device' (a ``TypeError`` as
+    in Accelerate, whose tests catch that type)."""
+
+
 class CheckedModels(Protocol):
     """What the strategy's ``check`` returns: the optimizer states the manager applies itself."""
 
@@ -436,7 +441,8 @@ class CheckpointManager:
             return "cpu"
         if value == "on_device":
             return self.device
-        raise CheckpointError(f"load_state(map_location={value!r}): use None, 'cpu' or 'on_device'.")
+        raise MapLocationError(f"Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, "
+                               f"or `'on_device'`: load_state(map_location={value!r}).")
 
     def _agree(self, read: Callable[[], _LoadPlan]) -> _LoadPlan:
         """Run the read phase on every process; if any process fails, every process raises its error."""

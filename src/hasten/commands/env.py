@@ -9,6 +9,8 @@ import shutil
 import sys
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
+
 OPTIONAL_PACKAGES = ("deepspeed", "safetensors", "tensorboard", "wandb", "mlflow", "transformers", "accelerate")
 
 
@@ -109,3 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     """This command on its own (Accelerate's ``accelerate.commands.env.main``)."""
     args = env_command_parser().parse_args(argv)
     return int(args.func(args) or 0)
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

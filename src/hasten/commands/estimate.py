@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.commands.estimate_memory import register, run
 
 __all__ = ["add_timm_hub_prefix", "check_has_model", "create_ascii_table", "create_empty_model", "estimate_command",
@@ -127,3 +128,6 @@ def gather_data(args: argparse.Namespace) -> list[list[Any]]:
     full = estimate(model, ["float32"])[0]["total"]
     return [[row["dtype"], row["largest"], row["total"], estimate_training_usage(full, row["dtype"])]
             for row in estimate(model, list(args.dtypes))]
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

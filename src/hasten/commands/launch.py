@@ -17,9 +17,11 @@ from hasten._lazy import accelerate_path_getattr
 from hasten.config.schema import DEEPSPEED_KEYS, FSDP_KEYS
 from hasten.launchers.plan import ELASTIC_RESTARTS
 
-DYNAMO_BACKENDS = ["no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser", "cudagraphs", "ofi",
-                   "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once",
-                   "torhchxla_trace_once", "tvm"]  # the last-but-one spelling is Accelerate's own typo, kept
+# --dynamo_backend's choices (lower case, as typed). The module's DYNAMO_BACKENDS is Accelerate's, from
+# commands.config.config_utils (upper case), resolved through hasten/_accelerate_shown.py.
+_DYNAMO_BACKEND_CHOICES = ["no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser",
+                           "cudagraphs", "ofi", "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once",
+                           "torchxla_trace_once", "torhchxla_trace_once", "tvm"]  # the last-but-one spelling is Accelerate's own typo, kept
 MEGATRON_LM_KEYS = ("tp_degree", "use_custom_fsdp", "no_load_optim", "eod_mask_loss", "overlap_cpu_optimizer_d2h_h2d",
                     "no_save_optim", "optimizer_cpu_offload", "use_precision_aware_optimizer",
                     "decoder_last_pipeline_num_layers", "pp_degree", "num_micro_batches", "sequence_parallelism",
@@ -54,7 +56,7 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
     ("--main_training_function", "main_training_function", None, {}, "Training function name (TPU)."),
     ("--downcast_bf16", "downcast_bf16", None, _STORE, "TPU bf16 downcast (kept for compatibility)."),
     ("--debug", "debug", None, _STORE, "Check collectives across ranks (shapes) to turn hangs into errors."),
-    ("--dynamo_backend", "dynamo_backend", "dynamo_config", {"type": str.lower, "choices": DYNAMO_BACKENDS},
+    ("--dynamo_backend", "dynamo_backend", "dynamo_config", {"type": str.lower, "choices": _DYNAMO_BACKEND_CHOICES},
      "torch.compile backend (e.g. inductor)."),
     ("--dynamo_mode", "dynamo_mode", "dynamo_config", {"choices": ["default", "reduce-overhead", "max-autotune"]},
      "torch.compile mode."),

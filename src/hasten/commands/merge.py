@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.commands.merge_weights import description, merge_weights_command, register
 
 __all__ = ["description", "merge_command", "merge_command_parser"]
@@ -27,3 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = merge_command_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

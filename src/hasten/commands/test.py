@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
+
 
 def sanity_script() -> Path:
     """Path of the packaged check script, ``hasten/test_utils/scripts/test_script.py`` (Accelerate's
@@ -56,3 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     """This command on its own (Accelerate's ``accelerate.commands.test.main``)."""
     args = test_command_parser().parse_args(argv)
     return int(args.func(args) or 0)
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -10,6 +10,7 @@ import argparse
 import sys
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.base.refusals import TPU, refusal
 
 __all__ = ["register", "tpu_command_launcher", "tpu_command_parser"]
@@ -50,3 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     """This command on its own (Accelerate's ``accelerate.commands.tpu.main``)."""
     args = tpu_command_parser().parse_args(argv)
     return int(args.func(args) or 0)
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

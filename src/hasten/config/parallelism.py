@@ -80,7 +80,8 @@ class TorchContextParallelConfig:
 
     def __post_init__(self) -> None:
         if self.cp_comm_strategy not in ("allgather", "alltoall"):
-            raise ConfigurationError(f"cp_comm_strategy={self.cp_comm_strategy!r}: choose 'allgather' or 'alltoall'.")
+            raise ConfigurationError(f"Invalid cp_comm_strategy: {self.cp_comm_strategy}. Must be one of 'allgather' "
+                                     "or 'alltoall'.")
 
 
 @dataclass
@@ -264,8 +265,9 @@ class ParallelismConfig:
         """
         if self.total_size != num_processes:
             product = " x ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS[:4])
-            raise ConfigurationError(
-                f"ParallelismConfig needs {product} = {self.total_size} processes, but the run has {num_processes}. "
+            raise ConfigurationError(  # Accelerate's wording first (its tests match it), then hasten's detail
+                f"ParallelismConfig total_size ({self.total_size}) does not match num_processes ({num_processes}). "
+                f"It needs {product} = {self.total_size} processes, but the run has {num_processes}. "
                 "Make the product of dp_replicate_size, dp_shard_size, tp_size and cp_size equal the number of "
                 "processes (`hasten launch --num_processes`).")
         if device_type is None:
@@ -297,6 +299,37 @@ class ParallelismConfig:
                             ("dp_cp", self.dp_cp_dim_names)):
             flatten_mesh(mesh[tuple(parts)], flat)
         return mesh
+
+    def _get_mesh(self) -> tuple[tuple[Any, ...], ...]:
+        """Accelerate's helper: ``(names, sizes)`` of the dimensions larger than 1, outermost first (``()``
+        when every size is 1). hasten's own mesh (:meth:`mesh_shape`) also keeps a ``dp_shard`` of 1."""
+        return tuple(zip(*[(name, getattr(self, f"{name}_size")) for name in self.active_mesh_dims]))
+
+    def _set_size(self, parallelism: str, size: int) -> None:
+        """Accelerate's helper: set ``<parallelism>_size`` (``"dp_replicate"``, ``"dp_shard"``, ``"tp"``, ``"cp"``).
+
+        Raises:
+            ConfigurationError: an unknown dimension, or a size below 1.
+        """
+        if f"{parallelism}_size" not in _SIZE_FIELDS:
+            raise ConfigurationError(f"Parallelism must be one of {[f[:-5] for f in _SIZE_FIELDS]}, got {parallelism!r}.")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigurationError(f"ParallelismConfig {parallelism}_size={size!r} must be a positive integer.")
+        setattr(self, f"{parallelism}_size", size)
+        self._unset = self._unset - {f"{parallelism}_size"}
+
+    def _validate_accelerator(self, accelerator: Any) -> None:
+        """Accelerate's check against a run: sizes of 1 on several processes become data parallel
+        (``dp_replicate_size`` = processes), then the product must equal the number of processes.
+
+        Raises:
+            ConfigurationError: as :meth:`validate`, on the accelerator's device.
+        """
+        if not accelerator.multi_device and self.total_size == 1:
+            return
+        if self.total_size == 1:
+            self._set_size("dp_replicate", accelerator.num_processes)
+        self.validate(accelerator.num_processes, device_type=accelerator.device.type)
 
     def get_device_mesh(self, device_type: str | None = None) -> Any:
         """The run's mesh (on ``accelerator.parallelism_config``); on a config without one, ``device_type``

@@ -187,6 +187,11 @@ class ResumableMixin:
 
     iteration: int = 0
     _progress: list[int] = [0]  # batches of the current pass handed out (a list: see _start_pass)
+
+    @property
+    def base_dataloader(self) -> Any:
+        """The loader producing the batches: every hasten loader is its own (Accelerate's wrap one)."""
+        return self
     _pending_skip: int = 0
     _pending_offset: int = 0  # samples into the epoch's order where the next pass starts
     _pass_offset: int = 0
@@ -532,11 +537,6 @@ class DataLoaderAdapter(_IndexSkipMixin, ResumableMixin, DataLoader):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         self.use_stateful_dataloader = False
         self._init_resume(0, 0)
-
-    @property
-    def base_dataloader(self) -> DataLoader:  # type: ignore[type-arg]
-        """The loader that produces the batches: this one (Accelerate's adapters wrap a separate loader)."""
-        return self
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub names its private iterator
         token, skip = self._start_pass()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.base import imports
 from hasten.base.environment import parse_flag_from_env
 from hasten.state import AcceleratorState, GradientState
@@ -176,3 +177,6 @@ __all__ = [*_compat.__all__, "AccelerateTestCase", "DEFAULT_LAUNCH_COMMAND", "Mo
            "require_swanlab", "require_tensorboard", "require_timm", "require_torchdata_stateful_dataloader",
            "require_tp", "require_trackers", "require_trackio", "require_transformers", "require_triton",
            "require_wandb", "run_command", "torch_device"]
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.testing.accelerate_compat import RegressionDataset, RegressionModel
 
 __all__ = ["RegressionDataset", "RegressionModel", "mocked_dataloaders", "mocked_dataloaders_for_autoregressive_models"]
@@ -54,3 +55,6 @@ def mocked_dataloaders_for_autoregressive_models(accelerator: Any,
     train = DataLoader(_TokenizedPairs(64, 0, True), shuffle=True, batch_size=batch_size)
     evaluation = DataLoader(_TokenizedPairs(32, 1, True), shuffle=False, batch_size=batch_size)
     return train, evaluation
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -12,6 +12,7 @@ Example:
     >>> accelerator.end_training()
 """
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.tracking._clearml_comet import ClearMLTracker, CometMLTracker
 from hasten.tracking._local_trackers import AimTracker, DVCLiveTracker, SwanLabTracker, TrackioTracker
 from hasten.tracking._mlflow import MLflowTracker
@@ -46,3 +47,6 @@ __all__ = [
     "on_main_process",
     "register_tracker_class",
 ]
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -125,7 +125,8 @@ def _check_named(name: str, logging_dir: Any) -> None:
         modules, extra = _REQUIREMENTS[name]
         raise MissingDependencyError(modules[0], f"log_with={name!r}", extra=extra)
     if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
-        raise ConfigurationError(f"log_with={name!r} writes files and needs a logging directory: pass "
+        raise ConfigurationError(f"Logging with `{name}` requires a `logging_dir` to be passed in. "  # Accelerate's
+                                 f"log_with={name!r} writes files and needs a logging directory: pass "
                                  "Accelerator(project_dir=...) or ProjectConfiguration(logging_dir=...).")
 
 

@@ -49,8 +49,8 @@ _add("hasten.base.unsupported", *"""
     add_model_config_to_megatron_parser apply_fp8_autowrap
     avg_losses_across_data_parallel_group convert_model install_xla load_and_quantize_model
     prepare_sagemager_args_inputs prepare_tpu
-    contextual_fp8_autocast prepare_deepspeed_cmd_env
-    prepare_multi_gpu_env prepare_simple_launcher_cmd_env""".split())
+    contextual_fp8_autocast prepare_deepspeed_cmd_env""".split())
+_add("hasten.commands.launch_env", "prepare_multi_gpu_env", "prepare_simple_launcher_cmd_env")
 _add("hasten.base.modeling", *"""
     are_libraries_initialized check_os_kernel check_tied_parameters_in_config clean_state_dict_for_safetensors
     compile_regions compile_regions_deepspeed compile_regions_fsdp2 convert_bytes
@@ -342,9 +342,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         install_xla as install_xla,
         load_and_quantize_model as load_and_quantize_model,
         prepare_deepspeed_cmd_env as prepare_deepspeed_cmd_env,
-        prepare_multi_gpu_env as prepare_multi_gpu_env,
         prepare_sagemager_args_inputs as prepare_sagemager_args_inputs,
-        prepare_simple_launcher_cmd_env as prepare_simple_launcher_cmd_env,
         prepare_tpu as prepare_tpu,
     )
     from hasten.big_modeling import (
@@ -396,6 +394,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         load_fsdp_optimizer as load_fsdp_optimizer,
         save_fsdp_model as save_fsdp_model,
         save_fsdp_optimizer as save_fsdp_optimizer,
+    )
+    from hasten.commands.launch_env import (
+        prepare_multi_gpu_env as prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env as prepare_simple_launcher_cmd_env,
     )
     from hasten.config.io import write_basic_config as write_basic_config
     from hasten.config.plugins.deepspeed import (

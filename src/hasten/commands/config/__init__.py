@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.commands.config.config import config_command, config_command_parser, register
 from hasten.commands.config.default import default_command_parser, write_basic_config
 from hasten.commands.config.update import update_command_parser
@@ -23,6 +24,9 @@ __all__ = ["config_command", "config_command_parser", "default_command_parser", 
 _CONFIG_ARGS = ("default_config_file", "load_config_from_file")
 
 
+_accelerate_path = accelerate_path_getattr(__name__, globals())
+
+
 def __getattr__(name: str) -> Any:
     if name in _CONFIG_ARGS:
         from hasten.commands.config import config_args
@@ -32,7 +36,7 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module("hasten.commands.config.config_args")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _accelerate_path(name)  # what Accelerate's module shows from elsewhere (hasten/_accelerate_shown.py)
 
 
 def get_config_parser(subparsers: Any = None) -> argparse.ArgumentParser:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hasten._lazy import accelerate_path_getattr
+
 if TYPE_CHECKING:
     from hasten.commands.config.config_args import ClusterConfig
     from hasten.commands.questionnaire import Prompter
@@ -25,3 +27,6 @@ def get_cluster_input(prompter: Prompter | None = None) -> ClusterConfig:
 
     config = LaunchConfig.from_dict(run_questionnaire(prompter), source="your answers")
     return ClusterConfig(**config.to_dict())
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

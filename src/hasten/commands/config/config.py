@@ -7,6 +7,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.commands.config.config_utils import _target
 from hasten.commands.config.default import default_command_parser
 from hasten.commands.config.update import update_command_parser
@@ -69,3 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     """``hasten config`` alone (its subcommands included)."""
     args = config_command_parser().parse_args(argv)
     return int(args.func(args) or 0)
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

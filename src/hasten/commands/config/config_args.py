@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.base.constants import (
     SAGEMAKER_PYTHON_VERSION,
     SAGEMAKER_PYTORCH_VERSION,
@@ -256,3 +257,6 @@ def load_config_from_file(config_file: str | None) -> BaseConfig:
     where = data.get("compute_environment", ComputeEnvironment.LOCAL_MACHINE.value) if isinstance(data, dict) else None
     config_class: type[BaseConfig] = SageMakerConfig if where == "AMAZON_SAGEMAKER" else ClusterConfig
     return config_class.from_json_file(path) if path.endswith(".json") else config_class.from_yaml_file(path)
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
+
 #: The torch.compile backends the ``config`` questionnaire offers, in Accelerate's order and spelling
 #: (``TORHCHXLA_TRACE_ONCE`` is Accelerate's own typo, kept so that its answer numbers map the same).
 DYNAMO_BACKENDS = ["EAGER", "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER", "CUDAGRAPHS", "OFI",
@@ -32,3 +34,6 @@ def _target(path: str | None) -> Path:
     from hasten.config.io import default_config_file
 
     return Path(path).expanduser() if path else default_config_file()
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.commands.config.config_utils import SubcommandHelpFormatter, _target
 
 description = "Create a default config file for Accelerate with only a few flags set."
@@ -47,3 +48,6 @@ def default_config_command(args: argparse.Namespace) -> int:
         return 1
     print(f"hasten configuration saved at {path}")
     return 0
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

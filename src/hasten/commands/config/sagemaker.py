@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NoReturn
 
+from hasten._lazy import accelerate_path_getattr
+
 
 def get_sagemaker_input() -> NoReturn:
     """Accelerate asks the SageMaker questions here; hasten has no SageMaker launcher, so this refuses.
@@ -14,3 +16,6 @@ def get_sagemaker_input() -> NoReturn:
     from hasten.base.refusals import SAGEMAKER, refusal
 
     raise refusal("get_sagemaker_input", SAGEMAKER)
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

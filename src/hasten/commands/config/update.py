@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hasten._lazy import accelerate_path_getattr
 from hasten.commands.config.config_utils import SubcommandHelpFormatter, _target
 
 description = "Update an existing config file with the latest defaults while maintaining the old configuration."
@@ -63,3 +64,6 @@ def update_config_command(args: argparse.Namespace) -> int:
         return 2
     print(f"Successfully updated the configuration file at {path}.")
     return 0
+
+# Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).
+__getattr__ = accelerate_path_getattr(__name__, globals())

@@ -29,6 +29,7 @@ def _transformer_policy(names: list[str], model: nn.Module) -> UnitPolicy:
     missing = [n for n in names if n not in present]
     if missing:
         raise ConfigurationError(
+            f"Could not find the transformer layer class {missing[0]} in the model. "  # Accelerate's words first
             f"transformer_cls_names_to_wrap={names}: no module of class {missing} in {type(model).__name__}. "
             f"Classes in the model: {sorted(present)[:30]}. Name the repeated block class (e.g. the decoder layer).")
     wanted = set(names)
