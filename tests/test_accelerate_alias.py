@@ -163,11 +163,13 @@ def test_hasten_launch_workers_get_the_alias_beside_an_accelerate_folder(tmp_pat
         import accelerate, hasten
         from accelerate import PartialState
         assert accelerate.utils is hasten.utils, accelerate
-        print("rank", PartialState().process_index, "alias", accelerate.__version__)
+        state = PartialState()
+        with open(f"rank{state.process_index}.txt", "w") as out:  # a file each: printed lines may interleave
+            out.write(f"rank {state.process_index} alias {accelerate.__version__}")
         """))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), HASTEN_HOME=str(tmp_path / "home"))
     out = subprocess.run([sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes", "2",
                           "train.py"], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
+    assert [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)] == [
         "rank 0 alias 1.15.0", "rank 1 alias 1.15.0"]
