@@ -187,7 +187,7 @@ class _TracedPipelines:
             # Trace the model's own forward, not the pipelined one prepare_pippy put in its place.
             pipelined = self.pipelined_forward
             if pipelined is not None:
-                self.model.forward = self.model._original_forward  # type: ignore[method-assign]
+                self.model.forward = self.model._original_forward  # type: ignore[method-assign,assignment]
             try:
                 self.schedules[rows] = build_pipeline(self.model, self.points, args, kwargs, self.num_chunks)
             finally:

@@ -16,6 +16,7 @@ from hasten.base.imports import is_compiled_module
 from hasten.checkpointing import files as ckpt, restore_checks as checks
 from hasten.checkpointing.sealing import Sealer
 from hasten.environments import process_group
+from hasten.exceptions import ConfigurationError
 from hasten.precision import Precision
 
 
@@ -115,6 +116,16 @@ class Strategy:
 
         DeepSpeed reads the data loaders' batch sizes and the schedulers here to fill its "auto" config.
         """
+
+    def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
+        """Take ``prepare(..., loss_fn=...)``: only a strategy that computes the loss itself (pipeline) uses one.
+
+        Raises:
+            ConfigurationError: this strategy leaves the loss to the training loop.
+        """
+        raise ConfigurationError("prepare(..., loss_fn=...) is for pipeline-parallel runs (ParallelismConfig(pp_size=...) "
+                                 "above 1), where the last stage computes the loss; here compute the loss in your loop "
+                                 "and pass it to accelerator.backward.")
 
     def prepare(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
                 device_placement: Sequence[bool], evaluation_mode: bool = False,

@@ -1,0 +1,271 @@
+"""Pipeline-parallel training on ``torch.distributed.pipelining``, inside the ordinary training loop.
+
+``ParallelismConfig(pp_size=P, pp_split_points=[...], pp_schedule="1F1B", pp_microbatches=M)``: each of the
+``P`` processes holds one stage (the model with the other stages' modules made no-ops, names kept:
+:mod:`hasten.strategies.pipeline_split`). The prepared model's call runs the whole step::
+
+    loss = model(inputs, labels=labels)   # forward and backward of M micro-batches, on every process
+    accelerator.backward(loss)            # checks the loss came from the pipeline; nothing else
+    optimizer.step(); optimizer.zero_grad()
+
+Numerics: each micro-batch's loss is divided by ``M`` (and by the accumulation steps) before its
+backward and the schedule's own scaling is off (``scale_grads=False``), so the gradients are those of
+the mean of the micro-batch losses, as a single process computes them for a mean loss over equal
+micro-batches. The returned loss is that mean (unscaled by accumulation), sent from the last stage to
+every stage (one broadcast of one number per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
+from hasten.exceptions import CheckpointError, ConfigurationError
+from hasten.ops.tree import find_batch_size
+from hasten.strategies.base import Strategy, unwrap_common
+from hasten.strategies.pipeline_split import cut_stage
+
+_NO_CHECKPOINTS = ("save_state/load_state/save_model under pp_size > 1 are not available yet: each process holds one "
+                   "stage, and a checkpoint of the full model across stages is not written yet. Save with pp_size=1.")
+
+
+class PipelinedModel(nn.Module):
+    """The prepared model under pipeline parallelism: calling it runs the pipelined forward and backward.
+
+    ``module`` is this process's stage (the user's model with the other stages' modules made no-ops).
+    """
+
+    def __init__(self, module: nn.Module, runner: _PipelineRunner) -> None:
+        super().__init__()
+        self.module = module
+        self._runner = runner
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run the whole step on this batch; returns the batch's mean loss (on every process)."""
+        return self._runner.step(self.module, args, kwargs)
+
+
+class _PipelineRunner:
+    """One stage's schedule and the step around it: micro-batch losses, the loss on every process."""
+
+    def __init__(self, stage_module: nn.Module, config: ParallelismConfig, mesh: Any, device: torch.device,
+                 loss_fn: Callable[..., Any] | None, accumulation_steps: int) -> None:
+        from torch.distributed import pipelining
+
+        self.pp_size, self.microbatches = int(config.pp_size), int(config.pp_microbatches)  # type: ignore[arg-type]
+        self.group = mesh["pp"].get_group()
+        self.stage_index = int(mesh.get_local_rank("pp"))
+        self.last_rank = dist.get_global_rank(self.group, self.pp_size - 1)
+        self.user_loss_fn = loss_fn
+        self.accumulation_steps = accumulation_steps
+        self.device = device
+        stage = pipelining.PipelineStage(stage_module, self.stage_index, self.pp_size, device, group=self.group)
+        schedule_class = getattr(pipelining, PP_SCHEDULES[str(config.pp_schedule)])
+        self.schedule = schedule_class(stage, n_microbatches=self.microbatches, loss_fn=self._micro_batch_loss,
+                                       scale_grads=False)
+        #: The loss the last step returned (what ``accelerator.backward`` accepts).
+        self.last_loss: torch.Tensor | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.pp_size - 1
+
+    def _micro_batch_loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The loss the schedule backpropagates for one micro-batch: its share of the window's mean."""
+        raw = self.user_loss_fn(output, target) if self.user_loss_fn is not None else _own_loss(output)
+        return raw / (self.microbatches * self.accumulation_steps)
+
+    def step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """Forward and backward of one batch through every stage; the batch's mean loss on every process."""
+        labels = kwargs.pop("labels", None)
+        batch_size = self._check_call(module, args, kwargs, labels)
+        step_args, step_kwargs, target = (), {}, None
+        if self.is_first:
+            step_args, step_kwargs = args, kwargs
+        if self.is_last:
+            if self.user_loss_fn is None:  # the model's own loss: the last stage's forward gets the labels
+                step_kwargs = {"labels": labels}
+                target = torch.zeros(batch_size, device=self.device)
+            else:
+                target = labels
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*step_args, target=target, losses=losses if self.is_last else None, return_outputs=False,
+                           **step_kwargs)
+        loss = torch.zeros((), device=self.device)
+        if self.is_last:  # the schedule's losses are the backpropagated shares: their sum is the window's part
+            loss = torch.stack([share.detach() for share in losses]).sum() * self.accumulation_steps
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        self.last_loss = loss
+        return loss
+
+    def _check_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> int:
+        """The batch size; refuses, on every process alike (they all hold the batch), a call the pipeline
+        cannot run."""
+        if not torch.is_grad_enabled() or not module.training:
+            raise ConfigurationError("Under pp_size > 1 the prepared model's call runs a training step (forward and "
+                                     "backward); evaluation through the pipeline (eval() or no_grad) is not available "
+                                     "yet.")
+        if labels is None:
+            raise ConfigurationError("Under pp_size > 1 call the prepared model with labels: model(inputs, "
+                                     "labels=labels); the last stage computes the loss from them (with prepare(..., "
+                                     "loss_fn=...), or the model's own loss when it takes labels).")
+        batch_size = next((find_batch_size(value) for value in (*args, *kwargs.values())
+                           if isinstance(value, torch.Tensor) and value.dim() > 0), None)
+        if batch_size is None:
+            raise ConfigurationError("Under pp_size > 1 the model's inputs must hold a tensor with a batch dimension.")
+        check_divisible(batch_size, self.microbatches)
+        return batch_size
+
+
+def _own_loss(output: Any) -> torch.Tensor:
+    """The model's own loss from its output: the tensor itself, ``output.loss`` or ``output["loss"]``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ConfigurationError(f"The model returned {type(output).__name__} without a loss: pass prepare(..., "
+                                 "loss_fn=fn) with fn(output, labels) -> loss, or return a loss when given labels.")
+    return loss  # type: ignore[no-any-return]
+
+
+def check_divisible(batch_size: int, microbatches: int) -> None:
+    """Refuse a batch that does not split into ``microbatches`` equal micro-batches."""
+    if batch_size % microbatches:
+        raise ConfigurationError(
+            f"A batch of {batch_size} rows does not split into pp_microbatches={microbatches} equal micro-batches: use "
+            f"a batch size divisible by {microbatches} (drop_last=True keeps the last batch full), or change "
+            "pp_microbatches. Unequal micro-batches would weight their rows unequally in the mean loss.")
+
+
+class PipelineStrategy(Strategy):
+    """One pipeline stage per process (``ParallelismConfig(pp_size=...)``).
+
+    Args:
+        device: this process's device.
+        precision: the precision plugin (fp16's loss scaling is refused: backward runs inside the schedule).
+        distributed_type: Accelerate's reporting value (``MULTI_GPU``/``MULTI_CPU``).
+        num_processes: processes in the run (equal to ``config.pp_size``).
+        config: the run's ``ParallelismConfig`` with its mesh.
+    """
+
+    def __init__(self, device: torch.device, precision: Any, distributed_type: Any, num_processes: int = 1, *,
+                 config: ParallelismConfig) -> None:
+        super().__init__(device, precision, distributed_type, num_processes)
+        config.validate(num_processes, device_type=device.type)
+        if getattr(precision, "scaler", None) is not None:
+            raise ConfigurationError("mixed_precision='fp16' under pp_size > 1: the loss scaler cannot scale a backward "
+                                     "that runs inside the pipeline schedule; use bf16 or fp32.")
+        self.config = config
+        self._loss_fn: Callable[..., Any] | None = None
+        self._runners: list[_PipelineRunner] = []
+
+    def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
+        """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows)."""
+        self._loss_fn = loss_fn
+
+    def observe_prepare_call(self, objects: Sequence[Any], *, split_batches: bool = False) -> None:
+        """Refuse, before anything is prepared, a data loader whose batches do not split into micro-batches."""
+        for obj in objects:
+            batch_size = getattr(obj, "batch_size", None) if isinstance(obj, torch.utils.data.DataLoader) else None
+            if isinstance(batch_size, int):
+                check_divisible(batch_size, int(self.config.pp_microbatches))  # type: ignore[arg-type]
+
+    def prepare(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
+                device_placement: Sequence[bool], evaluation_mode: bool = False,
+                accumulation_steps: int | None = None) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        """Cut the one model into this process's stage, point its optimizers at the stage's parameters, and
+        wrap it in :class:`PipelinedModel`."""
+        if len(models) != 1 or evaluation_mode:
+            raise ConfigurationError(f"pp_size > 1 prepares one model for training per run; got {len(models)} models"
+                                     f"{' for evaluation' if evaluation_mode else ''} in this prepare call.")
+        stages = int(self.config.pp_size)  # type: ignore[arg-type]
+        if self.config.pp_split_points is None:
+            raise ConfigurationError(
+                f"pp_size={stages} but {type(models[0]).__name__} has no split points: pass ParallelismConfig("
+                f"pp_size={stages}, pp_split_points=[...]) with the {stages - 1} module names where stages 1.. begin "
+                "(names from model.named_modules()).")
+        model = cut_stage(models[0], list(self.config.pp_split_points), int(self.device_mesh.get_local_rank("pp")),
+                          stages)
+        if device_placement[0]:
+            model = model.to(self.device)
+        self.apply_precision(model)
+        kept = {id(p) for p in model.parameters()}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in kept]
+        runner = _PipelineRunner(model, self.config, self.device_mesh, self.device, self._loss_fn,
+                                 accumulation_steps or 1)
+        self._runners.append(runner)
+        return [PipelinedModel(model, runner)], optimizers
+
+    @property
+    def device_mesh(self) -> Any:
+        """The run's mesh (its ``pp`` dimension holds the stages)."""
+        return self.config.device_mesh
+
+    def is_wrapped(self, model: nn.Module) -> bool:
+        return isinstance(model, PipelinedModel)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        model = unwrap_common(model)
+        return model.module if isinstance(model, PipelinedModel) else model
+
+    # ------------------------------------------------------------------------------------ the step
+    def backward(self, loss: torch.Tensor, *, sync: bool = True, accumulation_steps: int = 1, **kwargs: Any) -> None:
+        """Nothing to do: the pipelined call already ran the backward. Refuses a loss from elsewhere.
+
+        Raises:
+            ConfigurationError: ``loss`` is not what the prepared model's last call returned, or the
+                accumulation steps changed since ``prepare``.
+        """
+        runner = next((r for r in self._runners if r.last_loss is loss), None)
+        if runner is None:
+            raise ConfigurationError(
+                "Under pp_size > 1 the backward runs inside the prepared model's call; accelerator.backward takes "
+                "exactly the loss that call returned (loss = model(inputs, labels=labels)). A loss computed outside "
+                "the pipeline has no gradient path through the stages.")
+        if accumulation_steps != runner.accumulation_steps:
+            raise ConfigurationError(f"gradient_accumulation_steps changed from {runner.accumulation_steps} (at prepare) "
+                                     f"to {accumulation_steps}: under pp_size > 1 set it before prepare.")
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the total norm over every stage's gradients (this stage's norm reduced over ``pp``)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm_type = float(norm_type)
+        local = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+                 if grads else torch.zeros((), device=self.device))
+        group = self.device_mesh["pp"].get_group()
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            total = local
+        else:
+            powered = local.pow(norm_type)
+            dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+            total = powered.pow(1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device))
+        return total
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        raise CheckpointError(_NO_CHECKPOINTS)
+
+    def weights_for_save(self, models: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+        raise CheckpointError(_NO_CHECKPOINTS)
+
+    def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Any, *,
+              strict: bool = True, map_location: Any = "cpu") -> Any:
+        raise CheckpointError(_NO_CHECKPOINTS)
+
+
+__all__ = ["PipelineStrategy", "PipelinedModel", "check_divisible"]

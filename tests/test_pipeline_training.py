@@ -1,0 +1,184 @@
+"""Pipeline-parallel training (``ParallelismConfig(pp_size=2)``) over forked gloo ranks: the ordinary loop
+(``loss = model(x, labels=y)``, ``accelerator.backward``, ``clip_grad_norm_``, ``optimizer.step``) gives the
+gradients, losses and weights of a single process running the same model on the same data."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from hasten.testing import run_on_ranks
+
+BATCH, STEPS, MAX_NORM = 8, 3, 0.5
+
+
+class _WithOwnLoss(nn.Module):
+    """A model that returns its own mean loss when given labels (the pipeline's last stage computes it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.body(x)
+        return out if labels is None else F.mse_loss(out, labels)
+
+
+def _model(own_loss: bool) -> nn.Module:
+    torch.manual_seed(0)
+    if own_loss:
+        return _WithOwnLoss()
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 8, generator=generator), torch.randn(BATCH, 4, generator=generator))
+            for _ in range(STEPS)]
+
+
+def _reference(own_loss: bool, clip: bool):
+    """The same loop in one process, without hasten: (first step's gradients, losses, final weights, norms)."""
+    model = _model(own_loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    grads, losses, norms = {}, [], []
+    for step, (x, y) in enumerate(_data()):
+        loss = model(x, labels=y) if own_loss else F.mse_loss(model(x), y)
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return grads, losses, {name: p.detach().clone() for name, p in model.named_parameters()}, norms
+
+
+def _pipelined(schedule: str, own_loss: bool, clip: bool):
+    from hasten import Accelerator, ParallelismConfig
+
+    model = _model(own_loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    points = ["body.2"] if own_loss else ["2"]
+    config = ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=4, pp_split_points=points)
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    if own_loss:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer, loss_fn=F.mse_loss)
+    grads, losses, norms = {}, [], []
+    for step, (x, y) in enumerate(_data()):
+        loss = model(x, labels=y)
+        accelerator.backward(loss)
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in accelerator.unwrap_model(model).named_parameters()}
+        if clip:
+            norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    weights = {name: p.detach().clone() for name, p in accelerator.unwrap_model(model).named_parameters()}
+    return grads, losses, weights, norms
+
+
+def _merged(results):
+    """Every stage's gradients/weights under their full-model names (each name on exactly one stage)."""
+    grads, weights = {}, {}
+    for rank_grads, _, rank_weights, _ in results:
+        assert not set(rank_grads) & set(grads)
+        grads.update(rank_grads)
+        weights.update(rank_weights)
+    return grads, weights
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_pp2_gradients_losses_and_clipped_weights_equal_one_process(schedule):
+    want_grads, want_losses, want_weights, want_norms = _reference(own_loss=False, clip=True)
+    results = run_on_ranks(_pipelined, world_size=2, args=(schedule, False, True))
+    grads, weights = _merged(results)
+    assert set(grads) == set(want_grads) and set(weights) == set(want_weights)
+    for name, grad in want_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=0, atol=1e-6), name
+    for _, losses, _, norms in results:  # the loss and the norm over both stages, on every process
+        assert losses == pytest.approx(want_losses, rel=1e-6)
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+    assert all(n > MAX_NORM for n in want_norms[:1])  # the clip did act
+    for name, weight in want_weights.items():
+        assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name
+
+
+def test_pp2_with_the_models_own_loss_equals_one_process():
+    want_grads, want_losses, want_weights, _ = _reference(own_loss=True, clip=False)
+    results = run_on_ranks(_pipelined, world_size=2, args=("1F1B", True, False))
+    grads, weights = _merged(results)
+    assert sorted(grads) == sorted(want_grads)
+    for name, grad in want_grads.items():
+        assert torch.allclose(grads[name], grad, rtol=0, atol=1e-6), name
+    for _, losses, _, _ in results:
+        assert losses == pytest.approx(want_losses, rel=1e-6)
+    for name, weight in want_weights.items():
+        assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def test_pipeline_fields_come_from_the_launch_block_and_bad_ones_are_refused():
+    from hasten import ParallelismConfig
+    from hasten.config.parallelism import resolve_parallelism_config
+    from hasten.exceptions import ConfigurationError
+
+    block = {"parallelism_config_pp_size": 2, "parallelism_config_pp_schedule": "GPipe",
+             "parallelism_config_pp_microbatches": "4", "parallelism_config_pp_split_points": "body.2, body.4"}
+    config = resolve_parallelism_config(ParallelismConfig(), launch_block=block, num_processes=2)
+    assert (config.pp_size, config.pp_schedule, config.pp_microbatches, config.pp_split_points) == (
+        2, "GPipe", 4, ["body.2", "body.4"])
+    assert config.mesh_dim_names == ["pp", "dp_shard"] and config.data_parallel_size == 1
+    with pytest.raises(ConfigurationError, match="pp_microbatches=1 is fewer than pp_size=2"):
+        ParallelismConfig(pp_size=2, pp_microbatches=1)
+    with pytest.raises(ConfigurationError, match="several stages per process"):
+        ParallelismConfig(pp_size=2, pp_schedule="Interleaved1F1B")
+    with pytest.raises(ConfigurationError, match="does not compose"):
+        ParallelismConfig(pp_size=2, dp_shard_size=2).validate(4)
+
+
+def _refusal(case: str):
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.exceptions import ConfigurationError
+
+    points = None if case == "no split points" else ["2"]
+    config = ParallelismConfig(pp_size=2, pp_microbatches=4, pp_split_points=points)
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _model(own_loss=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(12, 8), torch.zeros(12, 4)),
+                                         batch_size=6 if case == "loader batch" else 4)
+    started = time.monotonic()
+    try:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=F.mse_loss)
+        if case == "call batch":
+            model(torch.zeros(6, 8), labels=torch.zeros(6, 4))
+        elif case == "foreign loss":
+            x, y = next(iter(loader))
+            model(x, labels=y)
+            accelerator.backward(torch.tensor(1.0, requires_grad=True))
+    except ConfigurationError as error:
+        return str(error), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+@pytest.mark.serial
+@pytest.mark.parametrize(("case", "message"), [
+    ("no split points", "has no split points: pass ParallelismConfig(pp_size=2, pp_split_points=[...])"),
+    ("loader batch", "A batch of 6 rows does not split into pp_microbatches=4"),
+    ("call batch", "A batch of 6 rows does not split into pp_microbatches=4"),
+    ("foreign loss", "takes exactly the loss that call returned"),
+])
+def test_refusals_are_one_clear_error_on_every_process_within_5_s(case, message):
+    results = run_on_ranks(_refusal, world_size=2, args=(case,))
+    for text, seconds in results:
+        assert message in text
+        assert seconds < 5
