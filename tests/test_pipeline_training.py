@@ -182,3 +182,63 @@ def test_refusals_are_one_clear_error_on_every_process_within_5_s(case, message)
     for text, seconds in results:
         assert message in text
         assert seconds < 5
+
+
+# -------------------------------------------------------------------- the loop with a prepared loader
+SPLITS = {2: ["2"], 4: ["1", "2", "4"]}
+
+
+def _loader_data():
+    generator = torch.Generator().manual_seed(2)
+    return torch.randn(4 * BATCH, 8, generator=generator), torch.randn(4 * BATCH, 4, generator=generator)
+
+
+def _reference_accumulated(accumulation: int):
+    model = _model(own_loss=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # SGD: the gradients' scale shows in the weights
+    inputs, labels = _loader_data()
+    losses = []
+    for index, (x, y) in enumerate(zip(inputs.split(BATCH), labels.split(BATCH))):
+        loss = F.mse_loss(model(x), y)
+        (loss / accumulation).backward()
+        if (index + 1) % accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _pipelined_loop(schedule: str, accumulation: int):
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.state import PartialState
+
+    world = PartialState().num_processes
+    config = ParallelismConfig(pp_size=world, pp_schedule=schedule, pp_microbatches=4, pp_split_points=SPLITS[world])
+    accelerator = Accelerator(parallelism_config=config, cpu=True, gradient_accumulation_steps=accumulation)
+    model = _model(own_loss=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_loader_data()), batch_size=BATCH)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=F.mse_loss)
+    losses = []
+    for x, y in loader:  # every stage reads the same batches (the pipeline is not a data-parallel axis)
+        with accelerator.accumulate(model):
+            loss = model(x, labels=y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    weights = {name: p.detach().clone() for name, p in accelerator.unwrap_model(model).named_parameters()}
+    return losses, weights
+
+
+@pytest.mark.parametrize(("world_size", "schedule", "accumulation"), [(2, "1F1B", 2), (4, "GPipe", 1)])
+def test_a_prepared_loader_with_accumulation_and_four_stages_equals_one_process(world_size, schedule, accumulation):
+    want_losses, want_weights = _reference_accumulated(accumulation)
+    results = run_on_ranks(_pipelined_loop, world_size=world_size, args=(schedule, accumulation))
+    weights = {}
+    for losses, rank_weights in results:
+        assert losses == pytest.approx(want_losses, rel=1e-6)
+        weights.update(rank_weights)
+    assert sorted(weights) == sorted(want_weights)
+    for name, weight in want_weights.items():
+        assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name
