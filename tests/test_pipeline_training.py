@@ -247,3 +247,56 @@ def test_a_prepared_loader_with_accumulation_and_four_stages_equals_one_process(
     assert sorted(weights) == sorted(want_weights)
     for name, weight in want_weights.items():
         assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name
+
+
+# ------------------------------------------------------------------------------------------ launch
+LAUNCHED_SCRIPT = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+from hasten import Accelerator, ParallelismConfig
+
+accelerator = Accelerator(parallelism_config=ParallelismConfig())  # the sizes come from hasten launch
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = accelerator.prepare(model, optimizer, loss_fn=F.mse_loss)
+generator = torch.Generator().manual_seed(1)
+for _ in range(3):
+    loss = model(torch.randn(8, 8, generator=generator), labels=torch.randn(8, 4, generator=generator))
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+config = accelerator.parallelism_config
+print(f"rank={accelerator.process_index} pp={config.pp_size} schedule={config.pp_schedule} "
+      f"microbatches={config.pp_microbatches} loss={loss.item():.9g}", flush=True)
+"""
+
+
+@pytest.mark.launch
+def test_hasten_launch_pp_flags_train_the_script_unchanged(tmp_path):
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        loss = F.mse_loss(model(torch.randn(8, 8, generator=generator)), torch.randn(8, 4, generator=generator))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    (tmp_path / "train.py").write_text(LAUNCHED_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HASTEN_HOME=str(tmp_path / "home"))
+    env.pop("HASTEN_LAUNCH_CONFIG", None)
+    done = subprocess.run([sys.executable, "-m", "hasten.commands.main", "launch", "--cpu",
+                           "--parallelism_config_pp_size", "2", "--parallelism_config_pp_split_points", "2",
+                           "--parallelism_config_pp_schedule", "GPipe", "--parallelism_config_pp_microbatches", "4",
+                           "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank="))
+    assert [line.split(" loss=")[0] for line in lines] == [
+        f"rank={rank} pp=2 schedule=GPipe microbatches=4" for rank in (0, 1)]
+    for line in lines:
+        assert float(line.split(" loss=")[1]) == pytest.approx(loss.item(), rel=1e-6)
