@@ -138,6 +138,10 @@ def test_pipeline_fields_come_from_the_launch_block_and_bad_ones_are_refused():
     assert (config.pp_size, config.pp_schedule, config.pp_microbatches, config.pp_split_points) == (
         2, "GPipe", 4, ["body.2", "body.4"])
     assert config.mesh_dim_names == ["pp", "dp_shard"] and config.data_parallel_size == 1
+    # pp_microbatches left unset follows the pp_size the launch fills in (pp_size micro-batches)
+    config = resolve_parallelism_config(ParallelismConfig(), launch_block={"parallelism_config_pp_size": "4"},
+                                        num_processes=4)
+    assert (config.pp_size, config.pp_microbatches, config.pipeline_microbatches) == (4, None, 4)
     with pytest.raises(ConfigurationError, match="pp_microbatches=1 is fewer than pp_size=2"):
         ParallelismConfig(pp_size=2, pp_microbatches=1)
     with pytest.raises(ConfigurationError, match="several stages per process"):
@@ -300,3 +304,43 @@ def test_hasten_launch_pp_flags_train_the_script_unchanged(tmp_path):
         f"rank={rank} pp=2 schedule=GPipe microbatches=4" for rank in (0, 1)]
     for line in lines:
         assert float(line.split(" loss=")[1]) == pytest.approx(loss.item(), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ splitting
+def test_a_stage_keeps_the_full_models_names_and_bad_split_points_are_refused():
+    from hasten.exceptions import ConfigurationError
+    from hasten.strategies.pipeline_split import SkippedModule, cut_stage
+
+    full = sorted(_model(own_loss=True).state_dict())
+    stages = [cut_stage(_model(own_loss=True), ["body.2", "body.4"], index) for index in range(3)]
+    keys = [sorted(stage.state_dict()) for stage in stages]
+    assert keys == [["body.0.bias", "body.0.weight"], ["body.2.bias", "body.2.weight"],
+                    ["body.4.bias", "body.4.weight"]]
+    assert sorted(sum(keys, [])) == full
+    assert isinstance(stages[0].body[2], SkippedModule) and isinstance(stages[2].body[1], SkippedModule)
+    x = torch.randn(3, 8)
+    with torch.no_grad():  # the stages chained are the full model
+        assert torch.equal(stages[2](stages[1](stages[0](x))), _model(own_loss=True)(x))
+    for points, message in [(["body.9"], "is not a module"), (["body.4", "body.2"], "not in the model's order"),
+                            (["body.0"], "stage 0 would be empty"), (["body"], "is the model's first module"),
+                            (["body.2", "body.2.weight"], "is not a module")]:
+        with pytest.raises(ConfigurationError, match=message):
+            cut_stage(_model(own_loss=True), points, 0, len(points) + 1)
+    with pytest.raises(ConfigurationError, match="needs 1 split points"):
+        cut_stage(_model(own_loss=True), [], 0, 2)
+    owner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    owner.register_parameter("scale", nn.Parameter(torch.ones(2)))
+    with pytest.raises(ConfigurationError, match=r"owns \['scale'\] directly"):
+        cut_stage(owner, ["1"], 0, 2)
+
+
+def test_prepare_refuses_a_loss_fn_without_pipeline_parallelism():
+    from hasten import Accelerator
+    from hasten.exceptions import ConfigurationError
+    from hasten.state import reset_state
+
+    reset_state()
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(ConfigurationError, match="loss_fn=...\\) is for pipeline-parallel runs"):
+        accelerator.prepare(_model(own_loss=False), loss_fn=F.mse_loss)
+    reset_state()

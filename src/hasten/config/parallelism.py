@@ -181,11 +181,12 @@ class ParallelismConfig:
             raise ConfigurationError(f"pp_schedule={self.pp_schedule!r} is not a pipeline schedule: use one of "
                                      f"{sorted(PP_SCHEDULES)}.")
         self.pp_schedule = schedule
-        chunks: Any = self.pp_size if self.pp_microbatches is None else self.pp_microbatches
-        if isinstance(chunks, bool) or not isinstance(chunks, int) and not str(chunks).isdigit() or int(chunks) < 1:
-            raise ConfigurationError(f"ParallelismConfig pp_microbatches={chunks!r} must be a positive integer.")
-        self.pp_microbatches = int(chunks)
-        if self.pp_microbatches < self.pp_size:  # type: ignore[operator]
+        chunks: Any = self.pp_microbatches
+        if chunks is not None:  # left None, it follows pp_size (also when the launch fills pp_size in later)
+            if isinstance(chunks, bool) or not isinstance(chunks, int) and not str(chunks).isdigit() or int(chunks) < 1:
+                raise ConfigurationError(f"ParallelismConfig pp_microbatches={chunks!r} must be a positive integer.")
+            self.pp_microbatches = int(chunks)
+        if self.pipeline_microbatches < self.pp_size:  # type: ignore[operator]
             raise ConfigurationError(
                 f"pp_microbatches={self.pp_microbatches} is fewer than pp_size={self.pp_size} stages: every stage needs "
                 f"a micro-batch in flight, and torch's schedules hang or fail otherwise. Use pp_microbatches >= "
@@ -198,7 +199,7 @@ class ParallelismConfig:
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS[:4])
         pipeline = (f", pp_size={self.pp_size}, pp_schedule={self.pp_schedule!r}, "
-                    f"pp_microbatches={self.pp_microbatches}") if self.pp_enabled else ""
+                    f"pp_microbatches={self.pipeline_microbatches}") if self.pp_enabled else ""
         return f"ParallelismConfig({sizes}{pipeline})"
 
     def to_json(self) -> str:
@@ -239,6 +240,11 @@ class ParallelismConfig:
     @property
     def cp_enabled(self) -> bool:
         return self.cp_size > 1  # type: ignore[operator]
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches per batch under pipeline parallelism: ``pp_microbatches``, else ``pp_size``."""
+        return int(self.pp_microbatches if self.pp_microbatches is not None else self.pp_size)  # type: ignore[arg-type]
 
     @property
     def pp_enabled(self) -> bool:

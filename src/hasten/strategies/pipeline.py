@@ -57,7 +57,7 @@ class _PipelineRunner:
                  loss_fn: Callable[..., Any] | None, accumulation_steps: int) -> None:
         from torch.distributed import pipelining
 
-        self.pp_size, self.microbatches = int(config.pp_size), int(config.pp_microbatches)  # type: ignore[arg-type]
+        self.pp_size, self.microbatches = int(config.pp_size), config.pipeline_microbatches  # type: ignore[arg-type]
         self.group = mesh["pp"].get_group()
         self.stage_index = int(mesh.get_local_rank("pp"))
         self.last_rank = dist.get_global_rank(self.group, self.pp_size - 1)
