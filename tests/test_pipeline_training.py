@@ -146,8 +146,10 @@ def test_pipeline_fields_come_from_the_launch_block_and_bad_ones_are_refused():
         ParallelismConfig(pp_size=2, pp_microbatches=1)
     with pytest.raises(ConfigurationError, match="several stages per process"):
         ParallelismConfig(pp_size=2, pp_schedule="Interleaved1F1B")
-    with pytest.raises(ConfigurationError, match="does not compose"):
+    with pytest.raises(ConfigurationError, match="composes with replication"):
         ParallelismConfig(pp_size=2, dp_shard_size=2).validate(4)
+    with pytest.raises(ConfigurationError, match="composes with replication"):
+        ParallelismConfig(pp_size=2, tp_size=2).validate(4)
 
 
 def _refusal(case: str, folder: str):
@@ -344,3 +346,55 @@ def test_prepare_refuses_a_loss_fn_without_pipeline_parallelism():
     with pytest.raises(ConfigurationError, match="loss_fn=...\\) is for pipeline-parallel runs"):
         accelerator.prepare(_model(own_loss=False), loss_fn=F.mse_loss)
     reset_state()
+
+
+# ------------------------------------------------------------------------------------- PP x DDP
+def _pp_ddp_loop():
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, dp_replicate_size=2, pp_microbatches=2, pp_split_points=["2"])
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _model(own_loss=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, labels = _loader_data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs, labels), batch_size=BATCH // 2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=F.mse_loss)
+    losses = []
+    for x, y in loader:
+        loss = model(x, labels=y)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    mesh = accelerator.torch_device_mesh
+    weights = {name: p.detach().clone() for name, p in accelerator.unwrap_model(model).named_parameters()}
+    return int(mesh.get_local_rank("pp")), int(mesh.get_local_rank("dp_replicate")), losses, weights
+
+
+def test_pp2_x_ddp2_equals_one_process_on_the_whole_batch():
+    """Each replica reads half of every step's batch; the step equals one process on the whole batch."""
+    model = _model(own_loss=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, labels = _loader_data()
+    want_losses = []
+    for x, y in zip(inputs.split(BATCH), labels.split(BATCH)):  # the two replicas' halves of one step
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        want_losses.append(loss.item())
+    results = run_on_ranks(_pp_ddp_loop, world_size=4)
+    assert sorted((pp, dp) for pp, dp, _, _ in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    by_replica = {dp: losses for _, dp, losses, _ in results}
+    mean_losses = [(a + b) / 2 for a, b in zip(by_replica[0], by_replica[1])]
+    assert mean_losses == pytest.approx(want_losses, rel=1e-6)
+    for dp in (0, 1):
+        weights = {}
+        for _, replica, _, rank_weights in results:
+            if replica == dp:
+                weights.update(rank_weights)
+        assert sorted(weights) == sorted(model.state_dict())
+        for name, weight in model.named_parameters():
+            assert torch.allclose(weights[name], weight.detach(), rtol=0, atol=1e-6), (dp, name)

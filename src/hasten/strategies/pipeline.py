@@ -13,6 +13,11 @@ backward and the schedule's own scaling is off (``scale_grads=False``), so the g
 the mean of the micro-batch losses, as a single process computes them for a mean loss over equal
 micro-batches. The returned loss is that mean (unscaled by accumulation), sent from the last stage to
 every stage (one broadcast of one number per step).
+
+With ``dp_replicate_size=R`` as well (PP x DDP, mesh ``(pp, dp_replicate)``), each replica reads its own
+share of the data, and a synchronising micro-step averages each stage's gradients over its replicas in
+``accelerator.backward`` (one all-reduce of the stage's flattened gradients), where DDP would; the
+returned loss is the replica's own, as under DDP.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class _PipelineRunner:
         from torch.distributed import pipelining
 
         self.pp_size, self.microbatches = int(config.pp_size), config.pipeline_microbatches  # type: ignore[arg-type]
+        self.module = stage_module
         self.group = mesh["pp"].get_group()
         self.stage_index = int(mesh.get_local_rank("pp"))
         self.last_rank = dist.get_global_rank(self.group, self.pp_size - 1)
@@ -153,7 +159,7 @@ class PipelineStrategy(Strategy):
         device: this process's device.
         precision: the precision plugin (fp16's loss scaling is refused: backward runs inside the schedule).
         distributed_type: Accelerate's reporting value (``MULTI_GPU``/``MULTI_CPU``).
-        num_processes: processes in the run (equal to ``config.pp_size``).
+        num_processes: processes in the run (``pp_size x dp_replicate_size``).
         config: the run's ``ParallelismConfig`` with its mesh.
     """
 
@@ -223,11 +229,14 @@ class PipelineStrategy(Strategy):
     def backward(self, loss: torch.Tensor, *, sync: bool = True, accumulation_steps: int = 1, **kwargs: Any) -> None:
         """Nothing to do: the pipelined call already ran the backward. Refuses a loss from elsewhere.
 
+        With ``dp_replicate_size > 1`` (PP x DDP), a synchronising micro-step averages the stage's
+        gradients over its replicas here, where DDP would.
+
         Raises:
             ConfigurationError: ``loss`` is not what the prepared model's last call returned, or the
                 accumulation steps changed since ``prepare``.
         """
-        runner = next((r for r in self._runners if r.last_loss is loss), None)
+        runner = next((r for r in self._runners if r.last_loss is loss), None)  # a list of one runner
         if runner is None:
             raise ConfigurationError(
                 "Under pp_size > 1 the backward runs inside the prepared model's call; accelerator.backward takes "
@@ -236,6 +245,21 @@ class PipelineStrategy(Strategy):
         if accumulation_steps != runner.accumulation_steps:
             raise ConfigurationError(f"gradient_accumulation_steps changed from {runner.accumulation_steps} (at prepare) "
                                      f"to {accumulation_steps}: under pp_size > 1 set it before prepare.")
+        if sync and self.config.dp_replicate_enabled:
+            self._average_over_replicas(runner.module)
+
+    def _average_over_replicas(self, module: nn.Module) -> None:
+        """PP x DDP: average this stage's gradients over its replicas (``dp_replicate``), in one all-reduce."""
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat, group=self.device_mesh["dp_replicate"].get_group())
+        flat /= int(self.config.dp_replicate_size)  # type: ignore[arg-type]
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the total norm over every stage's gradients (this stage's norm reduced over ``pp``)."""
