@@ -398,3 +398,52 @@ def test_pp2_x_ddp2_equals_one_process_on_the_whole_batch():
         assert sorted(weights) == sorted(model.state_dict())
         for name, weight in model.named_parameters():
             assert torch.allclose(weights[name], weight.detach(), rtol=0, atol=1e-6), (dp, name)
+
+
+# ------------------------------------------------------------- other batch shapes, and evaluation
+def _shapes_and_evaluation():
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, pp_microbatches=2, pp_split_points=["2"])
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _model(own_loss=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer, loss_fn=F.mse_loss)
+    generator = torch.Generator().manual_seed(3)
+    results = []
+    for rows in (8, 4, 12, 8):  # a new shape gets its own stage buffers; the first shape again reuses them
+        x, y = torch.randn(rows, 8, generator=generator), torch.randn(rows, 4, generator=generator)
+        loss = model(x, labels=y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        results.append(loss.item())
+    model.eval()
+    x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+    with torch.no_grad():
+        outputs = model(x)
+        eval_loss = model(x, labels=y)
+    model.train()
+    return results, outputs, eval_loss.item()
+
+
+def test_batches_of_other_sizes_and_evaluation_equal_one_process():
+    model = _model(own_loss=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(3)
+    want = []
+    for rows in (8, 4, 12, 8):
+        x, y = torch.randn(rows, 8, generator=generator), torch.randn(rows, 4, generator=generator)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+    with torch.no_grad():
+        want_outputs = model(x)
+        want_eval_loss = F.mse_loss(want_outputs, y).item()
+    for losses, outputs, eval_loss in run_on_ranks(_shapes_and_evaluation, world_size=2):
+        assert losses == pytest.approx(want, rel=1e-6)
+        assert torch.allclose(outputs, want_outputs, rtol=0, atol=1e-6)  # on every process
+        assert eval_loss == pytest.approx(want_eval_loss, rel=1e-6)

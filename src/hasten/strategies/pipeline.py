@@ -56,7 +56,13 @@ class PipelinedModel(nn.Module):
 
 
 class _PipelineRunner:
-    """One stage's schedule and the step around it: micro-batch losses, the loss on every process."""
+    """One stage's schedules and the step around them: micro-batch losses, the loss on every process.
+
+    torch's stage learns the shapes it exchanges from its first micro-batch and keeps them, so each
+    distinct set of input shapes (a smaller last batch, another sequence length, evaluation) gets its
+    own stage and schedule over the same module, built at the first call that has those shapes. Every
+    process holds the batch, so all of them pick the same one without a collective.
+    """
 
     def __init__(self, stage_module: nn.Module, config: ParallelismConfig, mesh: Any, device: torch.device,
                  loss_fn: Callable[..., Any] | None, accumulation_steps: int) -> None:
@@ -70,10 +76,8 @@ class _PipelineRunner:
         self.user_loss_fn = loss_fn
         self.accumulation_steps = accumulation_steps
         self.device = device
-        stage = pipelining.PipelineStage(stage_module, self.stage_index, self.pp_size, device, group=self.group)
-        schedule_class = getattr(pipelining, PP_SCHEDULES[str(config.pp_schedule)])
-        self.schedule = schedule_class(stage, n_microbatches=self.microbatches, loss_fn=self._micro_batch_loss,
-                                       scale_grads=False)
+        self.schedule_class = getattr(pipelining, PP_SCHEDULES[str(config.pp_schedule)])
+        self.schedules: dict[tuple[Any, ...], Any] = {}
         #: The loss the last step returned (what ``accelerator.backward`` accepts).
         self.last_loss: torch.Tensor | None = None
 
@@ -90,10 +94,32 @@ class _PipelineRunner:
         raw = self.user_loss_fn(output, target) if self.user_loss_fn is not None else _own_loss(output)
         return raw / (self.microbatches * self.accumulation_steps)
 
+    def _schedule(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> Any:
+        """The schedule for these input shapes (training: with the loss and backward; else forward only)."""
+        from torch.distributed import pipelining
+
+        key = (training, *_shapes(args), *_shapes(kwargs), *_shapes(labels))
+        if key not in self.schedules:
+            stage = pipelining.PipelineStage(self.module, self.stage_index, self.pp_size, self.device, group=self.group)
+            if training:
+                self.schedules[key] = self.schedule_class(stage, n_microbatches=self.microbatches,
+                                                          loss_fn=self._micro_batch_loss, scale_grads=False)
+            else:
+                self.schedules[key] = pipelining.ScheduleGPipe(stage, n_microbatches=self.microbatches)
+        return self.schedules[key]
+
     def step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-        """Forward and backward of one batch through every stage; the batch's mean loss on every process."""
+        """Forward and backward of one batch through every stage; the batch's mean loss on every process.
+
+        In evaluation (``model.eval()`` or ``torch.no_grad()``): forward only, returning the last stage's
+        output on every process, or ``loss_fn(output, labels)`` when labels are given.
+        """
         labels = kwargs.pop("labels", None)
-        batch_size = self._check_call(module, args, kwargs, labels)
+        training = torch.is_grad_enabled() and module.training
+        batch_size = self._check_call(training, args, kwargs, labels)
+        schedule = self._schedule(training, args, kwargs, labels)
+        if not training:
+            return self._evaluate(schedule, args, kwargs, labels)
         step_args, step_kwargs, target = (), {}, None
         if self.is_first:
             step_args, step_kwargs = args, kwargs
@@ -104,8 +130,8 @@ class _PipelineRunner:
             else:
                 target = labels
         losses: list[torch.Tensor] = []
-        self.schedule.step(*step_args, target=target, losses=losses if self.is_last else None, return_outputs=False,
-                           **step_kwargs)
+        schedule.step(*step_args, target=target, losses=losses if self.is_last else None, return_outputs=False,
+                      **step_kwargs)
         loss = torch.zeros((), device=self.device)
         if self.is_last:  # the schedule's losses are the backpropagated shares: their sum is the window's part
             loss = torch.stack([share.detach() for share in losses]).sum() * self.accumulation_steps
@@ -113,14 +139,33 @@ class _PipelineRunner:
         self.last_loss = loss
         return loss
 
-    def _check_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> int:
+    def _evaluate(self, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> torch.Tensor:
+        """Forward only; the output (or ``loss_fn(output, labels)``) sent from the last stage to every stage."""
+        with torch.no_grad():
+            output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
+            if self.is_last and labels is not None:
+                output = self.user_loss_fn(output, labels)  # type: ignore[misc]
+        # The shape and dtype first (the other stages have not seen the output), or why it cannot be sent.
+        meta: list[Any] = [None]
+        if self.is_last:
+            meta[0] = ((tuple(output.shape), output.dtype) if isinstance(output, torch.Tensor) else
+                       f"the model's output is a {type(output).__name__}; evaluation under pp_size > 1 sends one tensor "
+                       "from the last stage to every stage: return a tensor, or pass labels with prepare(..., loss_fn=...)")
+        dist.broadcast_object_list(meta, src=self.last_rank, group=self.group)
+        if isinstance(meta[0], str):
+            raise ConfigurationError(meta[0])
+        if not self.is_last:
+            output = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
+        dist.broadcast(output, src=self.last_rank, group=self.group)
+        return output  # type: ignore[no-any-return]
+
+    def _check_call(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> int:
         """The batch size; refuses, on every process alike (they all hold the batch), a call the pipeline
         cannot run."""
-        if not torch.is_grad_enabled() or not module.training:
-            raise ConfigurationError("Under pp_size > 1 the prepared model's call runs a training step (forward and "
-                                     "backward); evaluation through the pipeline (eval() or no_grad) is not available "
-                                     "yet.")
-        if labels is None:
+        if not training and labels is not None and self.user_loss_fn is None:
+            raise ConfigurationError("In evaluation under pp_size > 1, call the model without labels (its output comes "
+                                     "back on every process), or give prepare(..., loss_fn=...) to get the loss.")
+        if training and labels is None:
             raise ConfigurationError("Under pp_size > 1 call the prepared model with labels: model(inputs, "
                                      "labels=labels); the last stage computes the loss from them (with prepare(..., "
                                      "loss_fn=...), or the model's own loss when it takes labels).")
@@ -130,6 +175,17 @@ class _PipelineRunner:
             raise ConfigurationError("Under pp_size > 1 the model's inputs must hold a tensor with a batch dimension.")
         check_divisible(batch_size, self.microbatches)
         return batch_size
+
+
+def _shapes(data: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors in ``data`` (a dict's in key order), to tell schedules apart."""
+    if isinstance(data, torch.Tensor):
+        return ((tuple(data.shape), data.dtype),)
+    if isinstance(data, dict):
+        return tuple(item for key in data for item in ((key,), *_shapes(data[key])))
+    if isinstance(data, (list, tuple)):
+        return tuple(item for value in data for item in _shapes(value))
+    return ()
 
 
 def _own_loss(output: Any) -> torch.Tensor:
