@@ -23,20 +23,26 @@ returned loss is the replica's own, as under DDP.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hasten.checkpointing import files as ckpt, restore_checks as checks
+from hasten.checkpointing.sealing import Sealer
 from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
-from hasten.strategies.base import Strategy, unwrap_common
+from hasten.strategies.base import CheckedState, Strategy, unwrap_common
+from hasten.strategies.pipeline_checkpoint import (
+    full_optimizer_state,
+    full_weights,
+    optimizer_layout,
+    stage_optimizer_state,
+)
 from hasten.strategies.pipeline_split import cut_stage
-
-_NO_CHECKPOINTS = ("save_state/load_state/save_model under pp_size > 1 are not available yet: each process holds one "
-                   "stage, and a checkpoint of the full model across stages is not written yet. Save with pp_size=1.")
 
 
 class PipelinedModel(nn.Module):
@@ -229,6 +235,8 @@ class PipelineStrategy(Strategy):
         self.config = config
         self._loss_fn: Callable[..., Any] | None = None
         self._runners: list[_PipelineRunner] = []
+        self._layouts: dict[int, Any] = {}
+        self._full_keys: set[str] = set()
 
     def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
         """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows)."""
@@ -255,6 +263,13 @@ class PipelineStrategy(Strategy):
                 f"pp_size={stages} but {type(models[0]).__name__} has no split points: pass ParallelismConfig("
                 f"pp_size={stages}, pp_split_points=[...]) with the {stages - 1} module names where stages 1.. begin "
                 "(names from model.named_modules()).")
+        # What checkpoints need from before the cut: the full model's keys and each optimizer's names.
+        self._full_keys = set(models[0].state_dict())
+        for optimizer in optimizers:
+            try:
+                self._layouts[id(optimizer)] = optimizer_layout(models[0], optimizer)
+            except CheckpointError as error:  # raised if it is ever saved: training needs no names
+                self._layouts[id(optimizer)] = str(error)
         model = cut_stage(models[0], list(self.config.pp_split_points), int(self.device_mesh.get_local_rank("pp")),
                           stages)
         if device_placement[0]:
@@ -337,15 +352,62 @@ class PipelineStrategy(Strategy):
         return total
 
     # ---------------------------------------------------------------------------------- checkpoints
+    # One checkpoint in the single-process format, under the full model's names
+    # (:mod:`hasten.strategies.pipeline_checkpoint`): it loads on any pp_size, DDP or one process.
+    def _pp_group(self) -> Any:
+        return self.device_mesh["pp"].get_group()
+
+    def _layout(self, optimizer: torch.optim.Optimizer) -> Any:
+        layout = self._layouts.get(id(optimizer))
+        if isinstance(layout, str):
+            raise CheckpointError(layout)
+        if layout is None:
+            raise CheckpointError("This optimizer was not prepared together with the model under pp_size > 1 "
+                                  "(prepare(model, optimizer) in one call), so its state cannot be named.")
+        return layout
+
     def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        raise CheckpointError(_NO_CHECKPOINTS)
+        """The full model's state dict, gathered from every stage, on every process (all must call it)."""
+        return full_weights(self.unwrap(model), self._pp_group())
 
     def weights_for_save(self, models: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
-        raise CheckpointError(_NO_CHECKPOINTS)
+        return [self.model_state_dict(model) for model in models]
 
-    def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Any, *,
-              strict: bool = True, map_location: Any = "cpu") -> Any:
-        raise CheckpointError(_NO_CHECKPOINTS)
+    def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
+             sealer: Sealer | None = None) -> None:
+        """The writer stores the full weights and the optimizers in the single-process format."""
+        stage = self.unwrap(models[0])
+        states = [full_optimizer_state(stage, opt, self._layout(opt), self._pp_group()) for opt in optimizers]
+        if not writer:
+            return
+        for i, state in enumerate(weights):
+            if state:
+                ckpt.save_model_weights(state, folder, i, safe_serialization, sealer=sealer)
+        for i, state in enumerate(states):
+            ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), sealer=sealer)
+
+    def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+              strict: bool = True, map_location: Any = "cpu") -> CheckedState:
+        """Read the full checkpoint; keep this stage's weights and its optimizer state, re-indexed."""
+        stage = self.unwrap(models[0])
+        path, saved = ckpt.read_model_weights(folder, 0)
+        unknown = sorted(set(saved) - self._full_keys)
+        if strict and unknown:
+            raise CheckpointError(f"{path} holds keys the model does not have: {unknown[:8]}. Nothing was loaded.")
+        mine = {key: value for key, value in saved.items() if key in stage.state_dict()}
+        ckpt.check_model_weights(stage, mine, path, strict=strict)
+        optimizer_states = []
+        for i, optimizer in enumerate(optimizers):
+            file = folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))
+            state = stage_optimizer_state(ckpt.torch_load(file, map_location), stage, optimizer, self._layout(optimizer))
+            checks.check_optimizer_state(optimizer, state, file)
+            optimizer_states.append(state)
+        return CheckedState(optimizer_states=optimizer_states, models=[mine])
+
+    def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        raise CheckpointError("save_state inside an accumulation window is not available under pp_size > 1 yet: "
+                              "save after the optimizer step (when accelerator.sync_gradients is True).")
 
 
 __all__ = ["PipelineStrategy", "PipelinedModel", "check_divisible"]
