@@ -159,7 +159,8 @@ def _refusal(case: str, folder: str):
     points = None if case == "no split points" else ["2"]
     config = ParallelismConfig(pp_size=2, pp_microbatches=4, pp_split_points=points)
     accelerator = Accelerator(parallelism_config=config, cpu=True,
-                              gradient_accumulation_steps=2 if case == "mid-window save" else 1)
+                              gradient_accumulation_steps=2 if case == "mid-window save" else 1,
+                              dynamo_backend="eager" if case == "dynamo" else None)
     model = _model(own_loss=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(12, 8), torch.zeros(12, 4)),
@@ -191,6 +192,7 @@ def _refusal(case: str, folder: str):
     ("call batch", "A batch of 6 rows does not split into pp_microbatches=4"),
     ("foreign loss", "takes exactly the loss that call returned"),
     ("mid-window save", "save_state inside an accumulation window is not available under pp_size > 1"),
+    ("dynamo", "dynamo_backend='eager' under pp_size > 1 is not available yet"),
 ])
 def test_refusals_are_one_clear_error_on_every_process_within_5_s(case, message, tmp_path):
     results = run_on_ranks(_refusal, world_size=2, args=(case, str(tmp_path / "checkpoint")))
