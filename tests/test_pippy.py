@@ -53,6 +53,33 @@ def test_explicit_split_points_more_chunks_and_a_padded_batch():
     assert [(same, points) for _, same, points in results] == [(True, ["4"]), (True, ["4"])]
 
 
+def _full_batch_example(gather_output, batches):
+    """Accelerate's documented use: the example is one process's whole batch, not one micro-batch; then
+    batches of other sizes (a smaller last batch) through the same prepared model."""
+    from hasten import PartialState
+    from hasten.inference import prepare_pippy
+
+    model = _model()
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(rows, 8, generator=generator) for rows in batches]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    model = prepare_pippy(model, split_points=["4"], example_args=(inputs[0],), gather_output=gather_output)
+    same = []
+    for x, want in zip(inputs, expected):
+        with torch.no_grad():
+            out = model(x)
+        same.append(None if out is None else bool(torch.allclose(out[: len(x)], want, atol=1e-6)))
+    return PartialState().process_index, same
+
+
+@pytest.mark.parametrize("gather_output", [False, True])
+def test_a_full_batch_example_traces_one_micro_batch_and_every_batch_size_runs(gather_output):
+    results = run_on_ranks(_full_batch_example, world_size=2, args=(gather_output, [8, 8, 6, 3]))
+    last = [True] * 4
+    assert results == [(0, last if gather_output else [None] * 4), (1, last)]
+
+
 def _wrong_number_of_points():
     from hasten.exceptions import ConfigurationError
     from hasten.inference import prepare_pippy

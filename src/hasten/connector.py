@@ -378,7 +378,11 @@ def build_parts(settings: Settings, device: torch.device, distributed_type: Dist
                                  autocast_handler=handlers.get(AutocastKwargs),
                                  scaler_handler=handlers.get(GradScalerKwargs),
                                  fp8_recipe=handlers.get(AORecipeKwargs))
-    if uses_nd_strategy(config):
+    if config is not None and config.pp_enabled:
+        from hasten.strategies.pipeline import PipelineStrategy
+
+        strategy = PipelineStrategy(device, precision, distributed_type, num_processes, config=config)
+    elif uses_nd_strategy(config):
         from hasten.precision.fsdp import FSDPPrecision
         from hasten.strategies.nd import NDParallelStrategy
 

@@ -2,10 +2,15 @@
 ``torch.distributed.pipelining`` (the PiPPy engine inside torch).
 
 ``prepare_pippy`` splits a model into one stage per process at ``split_points`` (module names, or
-``"auto"``: balanced with ``generate_device_map``), traces it with the example inputs, and replaces its
-``forward``: the first process feeds the batch in ``num_chunks`` micro-batches (GPipe schedule), the last
-one returns the output (every process with ``gather_output=True``; the others get ``None``). It runs on
-gloo as on NCCL.
+``"auto"``: balanced with ``generate_device_map``), traces it with one micro-batch of the example inputs (the example is the batch of one process, as
+Accelerate documents it: its first ``ceil(batch / num_chunks)`` rows), and replaces its ``forward``: the
+first process feeds the batch in ``num_chunks`` micro-batches (GPipe schedule), the last one returns the
+output (every process with ``gather_output=True``; the others get ``None``). It runs on gloo as on NCCL.
+
+The stages exchange activations in buffers of the traced micro-batch's shape, so each call first sends
+the micro-batch's row count from the first process (one small broadcast); a batch whose micro-batches
+have another row count (a smaller last batch, or an example that was one micro-batch already) is run on
+a pipeline traced for that count, built once and kept.
 
 Example:
     >>> model = prepare_pippy(model, example_args=(torch.randn(4, 16),))
@@ -18,6 +23,8 @@ import math
 from types import MethodType
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from hasten._lazy import accelerate_path_getattr
@@ -25,10 +32,11 @@ from hasten.big_modeling import calculate_maximum_sizes, compute_module_sizes, i
 from hasten.exceptions import ConfigurationError
 from hasten.ops.collectives import pad_input_tensors
 from hasten.ops.compat import copy_tensor_to_devices
-from hasten.ops.tree import find_batch_size, send_to_device
+from hasten.ops.tree import find_batch_size, recursively_apply, send_to_device
 from hasten.state import PartialState
 
-__all__ = ["build_pipeline", "find_pippy_batch_size", "generate_device_map", "pippy_forward", "prepare_pippy"]
+__all__ = ["build_pipeline", "find_pippy_batch_size", "generate_device_map", "micro_batch_rows", "pippy_forward",
+           "prepare_pippy"]
 
 
 def generate_device_map(model: nn.Module, num_processes: int = 1, no_split_module_classes: list[str] | None = None,
@@ -71,10 +79,21 @@ def build_pipeline(model: nn.Module, split_points: list[str], args: tuple[Any, .
         raise ConfigurationError(f"{len(split_points)} split points make {len(split_points) + 1} stages, but the "
                                  f"run has {state.num_processes} processes: give num_processes - 1 split points "
                                  "(or split_points='auto').")
+    for point in split_points:  # a second trace: undo the first one's split markers (they would nest)
+        marked = _submodule_or_none(model, point)
+        if marked is not None and "_orig_forward" in marked.__dict__:
+            marked.forward = marked.__dict__.pop("_orig_forward")  # type: ignore[method-assign]
     pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs,
                     split_spec={point: SplitPoint.BEGINNING for point in split_points})
     stage = pipe.build_stage(state.process_index, device=state.device)
     return ScheduleGPipe(stage, num_chunks)
+
+
+def _submodule_or_none(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def pippy_forward(forward: Any, num_chunks: int, gather_output: bool, *args: Any, **kwargs: Any) -> Any:
@@ -126,6 +145,74 @@ def _auto_split_points(model: nn.Module, stages: int, no_split: list[str] | None
     return points
 
 
+def micro_batch_rows(batch_size: int, num_chunks: int) -> int:
+    """Rows of one micro-batch when ``batch_size`` rows are padded to a multiple of ``num_chunks`` and split."""
+    return -(-batch_size // num_chunks)
+
+
+def _with_rows(data: Any, batch_size: int, rows: int) -> Any:
+    """``data`` with every tensor whose first dimension is ``batch_size`` cut or repeated to ``rows`` rows
+    (an input of the right shape for tracing; its values do not matter)."""
+    def resize(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 0 or tensor.shape[0] != batch_size or rows == batch_size:
+            return tensor
+        return tensor[torch.arange(rows) % batch_size]
+
+    return recursively_apply(resize, data)
+
+
+class _TracedPipelines:
+    """The pipeline of this process's stage traced for each micro-batch row count met so far."""
+
+    def __init__(self, model: nn.Module, points: list[str], args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                 num_chunks: int) -> None:
+        self.model, self.points, self.num_chunks = model, points, num_chunks
+        self.args, self.kwargs = args, kwargs
+        self.example_rows = find_pippy_batch_size(args, kwargs)
+        self.schedules: dict[int | None, Any] = {}
+        #: The pipelined forward ``prepare_pippy`` put on the model (swapped out while tracing).
+        self.pipelined_forward: Any = None
+
+    def traced_rows(self) -> int | None:
+        """The micro-batch rows the example gives: its first ``ceil(rows / num_chunks)`` rows."""
+        return None if self.example_rows is None else micro_batch_rows(self.example_rows, self.num_chunks)
+
+    def schedule(self, rows: int | None) -> Any:
+        """The schedule traced with micro-batches of ``rows`` rows (built on first use; every process
+        asks for the same ``rows`` at the same call)."""
+        if rows not in self.schedules:
+            args, kwargs = self.args, self.kwargs
+            if rows is not None and self.example_rows is not None:
+                args = _with_rows(args, self.example_rows, rows)
+                kwargs = _with_rows(kwargs, self.example_rows, rows)
+            # Trace the model's own forward, not the pipelined one prepare_pippy put in its place.
+            pipelined = self.pipelined_forward
+            if pipelined is not None:
+                self.model.forward = self.model._original_forward  # type: ignore[method-assign,assignment]
+            try:
+                self.schedules[rows] = build_pipeline(self.model, self.points, args, kwargs, self.num_chunks)
+            finally:
+                if pipelined is not None:
+                    self.model.forward = pipelined  # type: ignore[method-assign]
+        return self.schedules[rows]
+
+
+def _agreed_rows(traced: int | None, num_chunks: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The micro-batch rows of this call, as the first process (the one that feeds the batch) sees them,
+    on every process: one broadcast of one integer."""
+    state = PartialState()
+    if state.num_processes == 1 or traced is None:
+        return traced
+    count = torch.zeros(1, dtype=torch.int64, device=state.device)
+    if state.is_main_process:
+        batch_size = find_pippy_batch_size(args, kwargs)
+        if batch_size is None:
+            raise ValueError("Could not find batch size from args or kwargs")
+        count[0] = micro_batch_rows(batch_size, num_chunks)
+    dist.broadcast(count, src=0)
+    return int(count.item())
+
+
 def prepare_pippy(model: nn.Module, split_points: str | list[str] | None = "auto",
                   no_split_module_classes: list[str] | None = None, example_args: tuple[Any, ...] | None = (),
                   example_kwargs: dict[str, Any] | None = None, num_chunks: int | None = None,
@@ -137,8 +224,10 @@ def prepare_pippy(model: nn.Module, split_points: str | list[str] | None = "auto
         split_points: module names where a new stage begins (``num_processes - 1`` of them), or ``"auto"``
             for a balanced split (``generate_device_map``).
         no_split_module_classes: classes ``"auto"`` never splits inside.
-        example_args: positional inputs of one micro-batch (batch size = the batch / ``num_chunks``).
-        example_kwargs: keyword inputs of one micro-batch (the same keys at every call).
+        example_args: positional inputs of one process's batch (Accelerate's meaning); the pipeline is
+            traced with its first ``ceil(batch / num_chunks)`` rows. An example that is one micro-batch
+            already works too: the first call then traces once more for its real micro-batch size.
+        example_kwargs: keyword inputs, like ``example_args`` (the same keys at every call).
         num_chunks: micro-batches per batch (default: the number of processes).
         gather_output: send the last stage's output to every process.
 
@@ -153,17 +242,21 @@ def prepare_pippy(model: nn.Module, split_points: str | list[str] | None = "auto
     if split_points == "auto":
         split_points = _auto_split_points(model, state.num_processes, no_split_module_classes)
     points = [split_points] if isinstance(split_points, str) else list(split_points or [])
-    schedule = build_pipeline(model, points, tuple(example_args or ()), example_kwargs, num_chunks)
+    pipelines = _TracedPipelines(model, points, tuple(example_args or ()), example_kwargs, num_chunks)
+    schedule = pipelines.schedule(pipelines.traced_rows())
     model._original_forward = model.forward  # type: ignore[assignment]
     model._original_call = model.__call__  # type: ignore[assignment]
     model.pippy_stage = schedule  # type: ignore[assignment]
     model.hf_split_points = points  # type: ignore[assignment]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return pippy_forward(schedule.step, num_chunks, bool(gather_output), *args, **kwargs)
+        current = pipelines.schedule(_agreed_rows(pipelines.traced_rows(), num_chunks, args, kwargs))
+        model.pippy_stage = current  # type: ignore[assignment]
+        return pippy_forward(current.step, num_chunks, bool(gather_output), *args, **kwargs)
 
     forward.__wrapped__ = MethodType(forward, model)  # type: ignore[attr-defined]
     model.forward = forward  # type: ignore[method-assign]
+    pipelines.pipelined_forward = forward
     return model
 
 # Names Accelerate's module at this path shows but defines elsewhere (hasten/_accelerate_shown.py).

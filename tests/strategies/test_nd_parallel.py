@@ -202,8 +202,8 @@ def test_the_launch_configuration_block_builds_the_config():
         "parallelism_config_cp_comm_strategy": "alltoall"}})
     assert (config.dp_shard_size, config.tp_size, config.cp_handler.cp_comm_strategy) == (2, 2, "alltoall")
     assert parallelism_config_from_launch({}) is None
-    with pytest.raises(ConfigurationError, match="Unknown parallelism_config key 'parallelism_config_pp_size'"):
-        parallelism_config_from_launch({"parallelism_config": {"parallelism_config_pp_size": 2}})
+    with pytest.raises(ConfigurationError, match="Unknown parallelism_config key 'parallelism_config_ep_size'"):
+        parallelism_config_from_launch({"parallelism_config": {"parallelism_config_ep_size": 2}})
 
 
 def test_hasten_launch_shows_the_mesh_and_refuses_a_wrong_product_before_starting(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ def _multi_device_map(model: nn.Module) -> bool:
 class PrepareMixin(AcceleratorBase):
     """Wraps models, optimizers, schedulers and data loaders for the current strategy."""
 
-    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None,
+                loss_fn: Callable[..., Any] | None = None) -> Any:
         """Prepare objects for training; returns them in the same order (one object if one was given).
 
         Models are placed and wrapped (DDP when distributed), optimizers become
@@ -32,6 +34,8 @@ class PrepareMixin(AcceleratorBase):
         Args:
             *args: models, optimizers, schedulers, data loaders, in any order.
             device_placement: one bool per object to override ``Accelerator(device_placement=...)``.
+            loss_fn: hasten, pipeline parallelism only: ``loss_fn(output, labels)``, the loss the last stage
+                computes per micro-batch (without it, the model's own loss from ``labels``).
 
         Example:
             >>> model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
@@ -44,6 +48,8 @@ class PrepareMixin(AcceleratorBase):
         elif len(device_placement) != len(args):
             raise ConfigurationError(f"prepare got {len(args)} objects but device_placement has "
                                      f"{len(device_placement)} entries; give one bool per object.")
+        if loss_fn is not None:
+            self._strategy.set_loss_fn(loss_fn)
         args = self._prepare_models_and_optimizers(args, device_placement)
         first = [self._prepare_first_pass(obj, placement) for obj, placement in zip(args, device_placement)]
         result = tuple(self._prepare_scheduler_pass(obj) for obj in first)

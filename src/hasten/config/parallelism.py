@@ -1,8 +1,10 @@
-"""``ParallelismConfig``: the sizes of an N-D run (replicate x shard x context x tensor) and its ``DeviceMesh``.
+"""``ParallelismConfig``: the sizes of an N-D run (pipeline x replicate x shard x context x tensor) and its
+``DeviceMesh``.
 
-Accelerate's fields and dimension names. The mesh is laid out ``("dp_replicate", "dp_shard", "cp", "tp")``
-with the dimensions of size 1 left out, so tensor-parallel ranks are neighbours (fastest link) and
-replication is outermost (slowest link). Flattened views are added under Accelerate's names:
+Accelerate's fields and dimension names, plus hasten's pipeline ones (``pp_size``, ``pp_schedule``,
+``pp_microbatches``, ``pp_split_points``). The mesh is laid out ``("pp", "dp_replicate", "dp_shard", "cp",
+"tp")`` with the dimensions of size 1 left out, so tensor-parallel ranks are neighbours (fastest link) and
+pipeline stages, which exchange only activations, are outermost (slowest link). Flattened views are added under Accelerate's names:
 ``"dp"`` (replicate x shard: the data-parallel ranks), ``"dp_shard_cp"`` (what FSDP shards over) and
 ``"dp_cp"`` (the ranks gradients are averaged over).
 
@@ -27,12 +29,17 @@ from hasten._private_api import flatten_mesh
 from hasten.exceptions import ConfigurationError
 
 #: Mesh dimensions, outermost first.
-MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 #: Tensor-parallel styles a plan may name (``ParallelStyle`` objects are accepted too).
 TP_STYLES = ("colwise", "rowwise", "sequence_parallel", "replicate")
-_SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+_SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size")
 #: What the launch may fill in where the caller gave None.
-_FILLABLE = (*_SIZE_FIELDS, "cp_backend", "sp_backend", "tp_handler", "cp_handler")
+_FILLABLE = (*_SIZE_FIELDS, "cp_backend", "sp_backend", "tp_handler", "cp_handler", "pp_schedule", "pp_microbatches",
+             "pp_split_points")
+#: Pipeline schedules with one stage per process (torch.distributed.pipelining's class for each name).
+PP_SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
+#: torch's schedules that run several stages per process: not available yet (refused with this reason).
+_PP_MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass
@@ -106,6 +113,10 @@ class ParallelismConfig:
         tp_handler: :class:`TorchTensorParallelConfig` (hasten adds its ``tp_plan``).
         cp_handler: :class:`TorchContextParallelConfig`.
         sp_handler: kept for compatibility (``sp_size`` is refused above 1).
+        pp_size: pipeline stages (hasten; one stage per process). Composes with ``dp_replicate_size`` only so far.
+        pp_schedule: ``"GPipe"`` or ``"1F1B"`` (default); the multi-stage schedules are refused for now.
+        pp_microbatches: micro-batches per batch (default ``pp_size``; at least ``pp_size``).
+        pp_split_points: module names where stages 1..pp_size-1 begin (``pp_size - 1`` of them).
 
     Example:
         >>> config = ParallelismConfig(dp_shard_size=2, tp_size=2)
@@ -123,6 +134,10 @@ class ParallelismConfig:
     tp_handler: TorchTensorParallelConfig | None = None
     cp_handler: TorchContextParallelConfig | None = None
     sp_handler: Any = None
+    pp_size: int | None = None
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
+    pp_split_points: list[str] | None = None
     #: The run's mesh: set only on the config the ``Accelerator`` resolves (``accelerator.parallelism_config``).
     device_mesh: Any = field(default=None, repr=False, compare=False)
     #: The fields the caller left ``None`` (what :func:`resolve_parallelism_config` may fill in).
@@ -150,14 +165,43 @@ class ParallelismConfig:
             self.tp_handler = TorchTensorParallelConfig()
         if (self.cp_size or 1) > 1 and self.cp_handler is None:
             self.cp_handler = TorchContextParallelConfig()
+        self._check_pipeline()
         if self.tp_handler is not None and not isinstance(self.tp_handler, TorchTensorParallelConfig):
             raise ConfigurationError(f"tp_handler must be a TorchTensorParallelConfig, got {type(self.tp_handler).__name__}.")
         if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
             raise ConfigurationError(f"cp_handler must be a TorchContextParallelConfig, got {type(self.cp_handler).__name__}.")
 
+    def _check_pipeline(self) -> None:
+        """Normalise and check the pipeline fields (``pp_size`` is already a checked integer)."""
+        schedule = self.pp_schedule or "1F1B"
+        schedule = schedule.removeprefix("Schedule") if schedule.removeprefix("Schedule") in PP_SCHEDULES else schedule
+        if schedule in _PP_MULTI_STAGE or schedule.removeprefix("Schedule") in _PP_MULTI_STAGE:
+            raise ConfigurationError(f"pp_schedule={self.pp_schedule!r} runs several stages per process, which hasten's "
+                                     f"pipeline does not do yet; use one of {sorted(PP_SCHEDULES)}.")
+        if schedule not in PP_SCHEDULES:
+            raise ConfigurationError(f"pp_schedule={self.pp_schedule!r} is not a pipeline schedule: use one of "
+                                     f"{sorted(PP_SCHEDULES)}.")
+        self.pp_schedule = schedule
+        chunks: Any = self.pp_microbatches
+        if chunks is not None:  # left None, it follows pp_size (also when the launch fills pp_size in later)
+            if isinstance(chunks, bool) or not isinstance(chunks, int) and not str(chunks).isdigit() or int(chunks) < 1:
+                raise ConfigurationError(f"ParallelismConfig pp_microbatches={chunks!r} must be a positive integer.")
+            self.pp_microbatches = int(chunks)
+        if self.pipeline_microbatches < self.pp_size:  # type: ignore[operator]
+            raise ConfigurationError(
+                f"pp_microbatches={self.pp_microbatches} is fewer than pp_size={self.pp_size} stages: every stage needs "
+                f"a micro-batch in flight, and torch's schedules hang or fail otherwise. Use pp_microbatches >= "
+                f"{self.pp_size}.")
+        points = self.pp_split_points
+        if isinstance(points, str):
+            points = [name.strip() for name in points.split(",") if name.strip()]
+        self.pp_split_points = list(points) if points is not None else None
+
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS[:4])
-        return f"ParallelismConfig({sizes})"
+        pipeline = (f", pp_size={self.pp_size}, pp_schedule={self.pp_schedule!r}, "
+                    f"pp_microbatches={self.pipeline_microbatches}") if self.pp_enabled else ""
+        return f"ParallelismConfig({sizes}{pipeline})"
 
     def to_json(self) -> str:
         """The sizes, backends and handlers (as dicts) as JSON; the mesh is left out."""
@@ -169,7 +213,8 @@ class ParallelismConfig:
     @property
     def total_size(self) -> int:
         """Processes the configuration needs: the product of every size."""
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size * self.sp_size  # type: ignore[operator]
+        return (self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size  # type: ignore[operator]
+                * self.sp_size * self.pp_size)
 
     @property
     def data_parallel_size(self) -> int:
@@ -178,8 +223,8 @@ class ParallelismConfig:
 
     @property
     def non_data_parallel_size(self) -> int:
-        """Ranks that share one batch: ``tp_size * cp_size``."""
-        return self.tp_size * self.cp_size  # type: ignore[operator]
+        """Ranks that share one batch: ``tp_size * cp_size * pp_size``."""
+        return self.tp_size * self.cp_size * self.pp_size  # type: ignore[operator]
 
     @property
     def dp_replicate_enabled(self) -> bool:
@@ -196,6 +241,16 @@ class ParallelismConfig:
     @property
     def cp_enabled(self) -> bool:
         return self.cp_size > 1  # type: ignore[operator]
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches per batch under pipeline parallelism: ``pp_microbatches``, else ``pp_size``."""
+        return int(self.pp_microbatches if self.pp_microbatches is not None else self.pp_size)  # type: ignore[arg-type]
+
+    @property
+    def pp_enabled(self) -> bool:
+        """The model is cut into pipeline stages (``pp_size > 1``)."""
+        return self.pp_size > 1  # type: ignore[operator]
 
     @property
     def sp_enabled(self) -> bool:
@@ -264,12 +319,18 @@ class ParallelismConfig:
                 PyTorch cannot run here (context parallel off CUDA, async TP off CUDA).
         """
         if self.total_size != num_processes:
-            product = " x ".join(f"{name}={getattr(self, name)}" for name in _SIZE_FIELDS[:4])
+            shown = (*_SIZE_FIELDS[:4], "pp_size") if self.pp_enabled else _SIZE_FIELDS[:4]
+            product = " x ".join(f"{name}={getattr(self, name)}" for name in shown)
             raise ConfigurationError(  # Accelerate's wording first (its tests match it), then hasten's detail
                 f"ParallelismConfig total_size ({self.total_size}) does not match num_processes ({num_processes}). "
                 f"It needs {product} = {self.total_size} processes, but the run has {num_processes}. "
-                "Make the product of dp_replicate_size, dp_shard_size, tp_size and cp_size equal the number of "
-                "processes (`hasten launch --num_processes`).")
+                "Make the product of dp_replicate_size, dp_shard_size, tp_size, cp_size and pp_size equal the number "
+                "of processes (`hasten launch --num_processes`).")
+        if self.pp_enabled and (self.dp_shard_enabled or self.tp_enabled or self.cp_enabled):
+            raise ConfigurationError(
+                f"pp_size={self.pp_size} with {self}: pipeline parallelism composes with replication "
+                "(dp_replicate_size) only so far, not with sharding, tensor or context parallelism; set dp_shard_size, "
+                "tp_size and cp_size to 1.")
         if device_type is None:
             return
         if self.cp_enabled and device_type != "cuda":
@@ -404,7 +465,7 @@ def _block_fields(launch: Mapping[str, Any]) -> dict[str, Any]:
         name = key.removeprefix("parallelism_config_")
         if value is None or str(value) == "-1":  # Accelerate's "not set"
             continue
-        if name in _SIZE_FIELDS:
+        if name in _SIZE_FIELDS or name in ("pp_schedule", "pp_microbatches", "pp_split_points"):
             sizes[name] = value
         elif name == "tp_enable_async_tp" or name == "enable_async_tp":
             sizes["tp_handler"] = TorchTensorParallelConfig(enable_async_tp=str(value).lower() in ("1", "true"))
@@ -417,7 +478,8 @@ def _block_fields(launch: Mapping[str, Any]) -> dict[str, Any]:
                                      "not available in hasten.")
         else:
             raise ConfigurationError(f"Unknown parallelism_config key {key!r}: expected parallelism_config_"
-                                     f"{{{', '.join(_SIZE_FIELDS)}, cp_backend, sp_backend, cp_comm_strategy}}.")
+                                     f"{{{', '.join(_SIZE_FIELDS)}, cp_backend, sp_backend, cp_comm_strategy, pp_schedule, "
+                                     "pp_microbatches, pp_split_points}.")
     return sizes
 
 
@@ -433,5 +495,5 @@ def _is_parallel_style(style: Any) -> bool:
     return isinstance(style, ParallelStyle)
 
 
-__all__ = ["MESH_ORDER", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
+__all__ = ["MESH_ORDER", "PP_SCHEDULES", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
            "parallelism_config_from_launch", "resolve_parallelism_config"]

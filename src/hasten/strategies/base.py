@@ -117,6 +117,16 @@ class Strategy:
         DeepSpeed reads the data loaders' batch sizes and the schedulers here to fill its "auto" config.
         """
 
+    def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
+        """Take ``prepare(..., loss_fn=...)``: only a strategy that computes the loss itself (pipeline) uses one.
+
+        Raises:
+            ConfigurationError: this strategy leaves the loss to the training loop.
+        """
+        raise ConfigurationError("prepare(..., loss_fn=...) is for pipeline-parallel runs (ParallelismConfig(pp_size=...) "
+                                 "above 1), where the last stage computes the loss; here compute the loss in your loop "
+                                 "and pass it to accelerator.backward.")
+
     def prepare(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
                 device_placement: Sequence[bool], evaluation_mode: bool = False,
                 accumulation_steps: int | None = None) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:

@@ -1,0 +1,419 @@
+"""Pipeline-parallel training on ``torch.distributed.pipelining``, inside the ordinary training loop.
+
+``ParallelismConfig(pp_size=P, pp_split_points=[...], pp_schedule="1F1B", pp_microbatches=M)``: each of the
+``P`` processes holds one stage (the model with the other stages' modules made no-ops, names kept:
+:mod:`hasten.strategies.pipeline_split`). The prepared model's call runs the whole step::
+
+    loss = model(inputs, labels=labels)   # forward and backward of M micro-batches, on every process
+    accelerator.backward(loss)            # checks the loss came from the pipeline; nothing else
+    optimizer.step(); optimizer.zero_grad()
+
+Numerics: each micro-batch's loss is divided by ``M`` (and by the accumulation steps) before its
+backward and the schedule's own scaling is off (``scale_grads=False``), so the gradients are those of
+the mean of the micro-batch losses, as a single process computes them for a mean loss over equal
+micro-batches. The returned loss is that mean (unscaled by accumulation), sent from the last stage to
+every stage (one broadcast of one number per step).
+
+With ``dp_replicate_size=R`` as well (PP x DDP, mesh ``(pp, dp_replicate)``), each replica reads its own
+share of the data, and a synchronising micro-step averages each stage's gradients over its replicas in
+``accelerator.backward`` (one all-reduce of the stage's flattened gradients), where DDP would; the
+returned loss is the replica's own, as under DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hasten.checkpointing import files as ckpt, restore_checks as checks
+from hasten.checkpointing.sealing import Sealer
+from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
+from hasten.exceptions import CheckpointError, ConfigurationError
+from hasten.ops.tree import find_batch_size
+from hasten.strategies.base import CheckedState, Strategy, unwrap_common
+from hasten.strategies.pipeline_checkpoint import (
+    full_optimizer_state,
+    full_weights,
+    optimizer_layout,
+    stage_optimizer_state,
+)
+from hasten.strategies.pipeline_split import cut_stage
+
+
+class PipelinedModel(nn.Module):
+    """The prepared model under pipeline parallelism: calling it runs the pipelined forward and backward.
+
+    ``module`` is this process's stage (the user's model with the other stages' modules made no-ops).
+    """
+
+    def __init__(self, module: nn.Module, runner: _PipelineRunner) -> None:
+        super().__init__()
+        self.module = module
+        self._runner = runner
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run the whole step on this batch; returns the batch's mean loss (on every process)."""
+        return self._runner.step(self.module, args, kwargs)
+
+
+class _PipelineRunner:
+    """One stage's schedules and the step around them: micro-batch losses, the loss on every process.
+
+    torch's stage learns the shapes it exchanges from its first micro-batch and keeps them, so each
+    distinct set of input shapes (a smaller last batch, another sequence length, evaluation) gets its
+    own stage and schedule over the same module, built at the first call that has those shapes. Every
+    process holds the batch, so all of them pick the same one without a collective.
+    """
+
+    def __init__(self, stage_module: nn.Module, config: ParallelismConfig, mesh: Any, device: torch.device,
+                 loss_fn: Callable[..., Any] | None, accumulation_steps: int) -> None:
+        from torch.distributed import pipelining
+
+        self.pp_size, self.microbatches = int(config.pp_size), config.pipeline_microbatches  # type: ignore[arg-type]
+        self.module = stage_module
+        self.group = mesh["pp"].get_group()
+        self.stage_index = int(mesh.get_local_rank("pp"))
+        self.last_rank = dist.get_global_rank(self.group, self.pp_size - 1)
+        self.user_loss_fn = loss_fn
+        self.accumulation_steps = accumulation_steps
+        self.device = device
+        self.schedule_class = getattr(pipelining, PP_SCHEDULES[str(config.pp_schedule)])
+        self.schedules: dict[tuple[Any, ...], Any] = {}
+        #: The loss the last step returned (what ``accelerator.backward`` accepts).
+        self.last_loss: torch.Tensor | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.pp_size - 1
+
+    def _micro_batch_loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The loss the schedule backpropagates for one micro-batch: its share of the window's mean."""
+        raw = self.user_loss_fn(output, target) if self.user_loss_fn is not None else _own_loss(output)
+        return raw / (self.microbatches * self.accumulation_steps)
+
+    def _schedule(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> Any:
+        """The schedule for these input shapes (training: with the loss and backward; else forward only)."""
+        from torch.distributed import pipelining
+
+        key = (training, *_shapes(args), *_shapes(kwargs), *_shapes(labels))
+        if key not in self.schedules:
+            stage = pipelining.PipelineStage(self.module, self.stage_index, self.pp_size, self.device, group=self.group)
+            if training:
+                self.schedules[key] = self.schedule_class(stage, n_microbatches=self.microbatches,
+                                                          loss_fn=self._micro_batch_loss, scale_grads=False)
+            else:
+                self.schedules[key] = pipelining.ScheduleGPipe(stage, n_microbatches=self.microbatches)
+        return self.schedules[key]
+
+    def step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """Forward and backward of one batch through every stage; the batch's mean loss on every process.
+
+        In evaluation (``model.eval()`` or ``torch.no_grad()``): forward only, returning the last stage's
+        output on every process, or ``loss_fn(output, labels)`` when labels are given.
+        """
+        labels = kwargs.pop("labels", None)
+        training = torch.is_grad_enabled() and module.training
+        batch_size = self._check_call(training, args, kwargs, labels)
+        schedule = self._schedule(training, args, kwargs, labels)
+        if not training:
+            return self._evaluate(schedule, args, kwargs, labels)
+        step_args, step_kwargs, target = (), {}, None
+        if self.is_first:
+            step_args, step_kwargs = args, kwargs
+        if self.is_last:
+            if self.user_loss_fn is None:  # the model's own loss: the last stage's forward gets the labels
+                step_kwargs = {"labels": labels}
+                target = torch.zeros(batch_size, device=self.device)
+            else:
+                target = labels
+        losses: list[torch.Tensor] = []
+        schedule.step(*step_args, target=target, losses=losses if self.is_last else None, return_outputs=False,
+                      **step_kwargs)
+        loss = torch.zeros((), device=self.device)
+        if self.is_last:  # the schedule's losses are the backpropagated shares: their sum is the window's part
+            loss = torch.stack([share.detach() for share in losses]).sum() * self.accumulation_steps
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        self.last_loss = loss
+        return loss
+
+    def _evaluate(self, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> torch.Tensor:
+        """Forward only; the output (or ``loss_fn(output, labels)``) sent from the last stage to every stage."""
+        with torch.no_grad():
+            output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
+            if self.is_last and labels is not None:
+                output = self.user_loss_fn(output, labels)  # type: ignore[misc]
+        # The shape and dtype first (the other stages have not seen the output), or why it cannot be sent.
+        meta: list[Any] = [None]
+        if self.is_last:
+            meta[0] = ((tuple(output.shape), output.dtype) if isinstance(output, torch.Tensor) else
+                       f"the model's output is a {type(output).__name__}; evaluation under pp_size > 1 sends one tensor "
+                       "from the last stage to every stage: return a tensor, or pass labels with prepare(..., loss_fn=...)")
+        dist.broadcast_object_list(meta, src=self.last_rank, group=self.group)
+        if isinstance(meta[0], str):
+            raise ConfigurationError(meta[0])
+        if not self.is_last:
+            output = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
+        dist.broadcast(output, src=self.last_rank, group=self.group)
+        return output  # type: ignore[no-any-return]
+
+    def _check_call(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> int:
+        """The batch size; refuses, on every process alike (they all hold the batch), a call the pipeline
+        cannot run."""
+        if not training and labels is not None and self.user_loss_fn is None:
+            raise ConfigurationError("In evaluation under pp_size > 1, call the model without labels (its output comes "
+                                     "back on every process), or give prepare(..., loss_fn=...) to get the loss.")
+        if training and labels is None:
+            raise ConfigurationError("Under pp_size > 1 call the prepared model with labels: model(inputs, "
+                                     "labels=labels); the last stage computes the loss from them (with prepare(..., "
+                                     "loss_fn=...), or the model's own loss when it takes labels).")
+        batch_size = next((find_batch_size(value) for value in (*args, *kwargs.values())
+                           if isinstance(value, torch.Tensor) and value.dim() > 0), None)
+        if batch_size is None:
+            raise ConfigurationError("Under pp_size > 1 the model's inputs must hold a tensor with a batch dimension.")
+        check_divisible(batch_size, self.microbatches)
+        return batch_size
+
+
+def _shapes(data: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors in ``data`` (a dict's in key order), to tell schedules apart."""
+    if isinstance(data, torch.Tensor):
+        return ((tuple(data.shape), data.dtype),)
+    if isinstance(data, dict):
+        return tuple(item for key in data for item in ((key,), *_shapes(data[key])))
+    if isinstance(data, (list, tuple)):
+        return tuple(item for value in data for item in _shapes(value))
+    return ()
+
+
+def _own_loss(output: Any) -> torch.Tensor:
+    """The model's own loss from its output: the tensor itself, ``output.loss`` or ``output["loss"]``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ConfigurationError(f"The model returned {type(output).__name__} without a loss: pass prepare(..., "
+                                 "loss_fn=fn) with fn(output, labels) -> loss, or return a loss when given labels.")
+    return loss  # type: ignore[no-any-return]
+
+
+def check_divisible(batch_size: int, microbatches: int) -> None:
+    """Refuse a batch that does not split into ``microbatches`` equal micro-batches."""
+    if batch_size % microbatches:
+        raise ConfigurationError(
+            f"A batch of {batch_size} rows does not split into pp_microbatches={microbatches} equal micro-batches: use "
+            f"a batch size divisible by {microbatches} (drop_last=True keeps the last batch full), or change "
+            "pp_microbatches. Unequal micro-batches would weight their rows unequally in the mean loss.")
+
+
+class PipelineStrategy(Strategy):
+    """One pipeline stage per process (``ParallelismConfig(pp_size=...)``).
+
+    Args:
+        device: this process's device.
+        precision: the precision plugin (fp16's loss scaling is refused: backward runs inside the schedule).
+        distributed_type: Accelerate's reporting value (``MULTI_GPU``/``MULTI_CPU``).
+        num_processes: processes in the run (``pp_size x dp_replicate_size``).
+        config: the run's ``ParallelismConfig`` with its mesh.
+    """
+
+    def __init__(self, device: torch.device, precision: Any, distributed_type: Any, num_processes: int = 1, *,
+                 config: ParallelismConfig) -> None:
+        super().__init__(device, precision, distributed_type, num_processes)
+        config.validate(num_processes, device_type=device.type)
+        if getattr(precision, "scaler", None) is not None:
+            raise ConfigurationError("mixed_precision='fp16' under pp_size > 1: the loss scaler cannot scale a backward "
+                                     "that runs inside the pipeline schedule; use bf16 or fp32.")
+        self.config = config
+        self._loss_fn: Callable[..., Any] | None = None
+        self._runners: list[_PipelineRunner] = []
+        self._layouts: dict[int, Any] = {}
+        self._full_keys: set[str] = set()
+
+    def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
+        """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows)."""
+        self._loss_fn = loss_fn
+
+    def observe_prepare_call(self, objects: Sequence[Any], *, split_batches: bool = False) -> None:
+        """Refuse, before anything is prepared, a data loader whose batches do not split into micro-batches."""
+        for obj in objects:
+            batch_size = getattr(obj, "batch_size", None) if isinstance(obj, torch.utils.data.DataLoader) else None
+            if isinstance(batch_size, int):
+                check_divisible(batch_size, int(self.config.pp_microbatches))  # type: ignore[arg-type]
+
+    def prepare(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
+                device_placement: Sequence[bool], evaluation_mode: bool = False,
+                accumulation_steps: int | None = None) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+        """Cut the one model into this process's stage, point its optimizers at the stage's parameters, and
+        wrap it in :class:`PipelinedModel`."""
+        if len(models) != 1 or evaluation_mode:
+            raise ConfigurationError(f"pp_size > 1 prepares one model for training per run; got {len(models)} models"
+                                     f"{' for evaluation' if evaluation_mode else ''} in this prepare call.")
+        stages = int(self.config.pp_size)  # type: ignore[arg-type]
+        if self.config.pp_split_points is None:
+            raise ConfigurationError(
+                f"pp_size={stages} but {type(models[0]).__name__} has no split points: pass ParallelismConfig("
+                f"pp_size={stages}, pp_split_points=[...]) with the {stages - 1} module names where stages 1.. begin "
+                "(names from model.named_modules()).")
+        # What checkpoints need from before the cut: the full model's keys and each optimizer's names.
+        self._full_keys = set(models[0].state_dict())
+        for optimizer in optimizers:
+            try:
+                self._layouts[id(optimizer)] = optimizer_layout(models[0], optimizer)
+            except CheckpointError as error:  # raised if it is ever saved: training needs no names
+                self._layouts[id(optimizer)] = str(error)
+        model = cut_stage(models[0], list(self.config.pp_split_points), int(self.device_mesh.get_local_rank("pp")),
+                          stages)
+        if device_placement[0]:
+            model = model.to(self.device)
+        self.apply_precision(model)
+        kept = {id(p) for p in model.parameters()}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in kept]
+        runner = _PipelineRunner(model, self.config, self.device_mesh, self.device, self._loss_fn,
+                                 accumulation_steps or 1)
+        self._runners.append(runner)
+        return [PipelinedModel(model, runner)], optimizers
+
+    def compile(self, model: nn.Module, backend: str, options: dict[str, Any]) -> nn.Module:
+        """Refused: the prepared model's call runs a whole pipeline schedule (communication and backward),
+        which ``torch.compile`` cannot capture, and compiling the stage alone is not done yet."""
+        raise ConfigurationError(f"dynamo_backend={backend!r} under pp_size > 1 is not available yet: the pipelined call "
+                                 "runs the schedule's communication and backward. Use dynamo_backend='no'.")
+
+    @property
+    def device_mesh(self) -> Any:
+        """The run's mesh (its ``pp`` dimension holds the stages)."""
+        return self.config.device_mesh
+
+    def is_wrapped(self, model: nn.Module) -> bool:
+        return isinstance(model, PipelinedModel)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        model = unwrap_common(model)
+        return model.module if isinstance(model, PipelinedModel) else model
+
+    # ------------------------------------------------------------------------------------ the step
+    def backward(self, loss: torch.Tensor, *, sync: bool = True, accumulation_steps: int = 1, **kwargs: Any) -> None:
+        """Nothing to do: the pipelined call already ran the backward. Refuses a loss from elsewhere.
+
+        With ``dp_replicate_size > 1`` (PP x DDP), a synchronising micro-step averages the stage's
+        gradients over its replicas here, where DDP would.
+
+        Raises:
+            ConfigurationError: ``loss`` is not what the prepared model's last call returned, or the
+                accumulation steps changed since ``prepare``.
+        """
+        runner = next((r for r in self._runners if r.last_loss is loss), None)  # a list of one runner
+        if runner is None:
+            raise ConfigurationError(
+                "Under pp_size > 1 the backward runs inside the prepared model's call; accelerator.backward takes "
+                "exactly the loss that call returned (loss = model(inputs, labels=labels)). A loss computed outside "
+                "the pipeline has no gradient path through the stages.")
+        if accumulation_steps != runner.accumulation_steps:
+            raise ConfigurationError(f"gradient_accumulation_steps changed from {runner.accumulation_steps} (at prepare) "
+                                     f"to {accumulation_steps}: under pp_size > 1 set it before prepare.")
+        if sync and self.config.dp_replicate_enabled:
+            self._average_over_replicas(runner.module)
+
+    def _average_over_replicas(self, module: nn.Module) -> None:
+        """PP x DDP: average this stage's gradients over its replicas (``dp_replicate``), in one all-reduce."""
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat, group=self.device_mesh["dp_replicate"].get_group())
+        flat /= int(self.config.dp_replicate_size)  # type: ignore[arg-type]
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the total norm over every stage's gradients (this stage's norm reduced over ``pp``)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm_type = float(norm_type)
+        local = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+                 if grads else torch.zeros((), device=self.device))
+        group = self.device_mesh["pp"].get_group()
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            total = local
+        else:
+            powered = local.pow(norm_type)
+            dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+            total = powered.pow(1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device))
+        return total
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    # One checkpoint in the single-process format, under the full model's names
+    # (:mod:`hasten.strategies.pipeline_checkpoint`): it loads on any pp_size, DDP or one process.
+    def _pp_group(self) -> Any:
+        return self.device_mesh["pp"].get_group()
+
+    def _layout(self, optimizer: torch.optim.Optimizer) -> Any:
+        layout = self._layouts.get(id(optimizer))
+        if isinstance(layout, str):
+            raise CheckpointError(layout)
+        if layout is None:
+            raise CheckpointError("This optimizer was not prepared together with the model under pp_size > 1 "
+                                  "(prepare(model, optimizer) in one call), so its state cannot be named.")
+        return layout
+
+    def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full model's state dict, gathered from every stage, on every process (all must call it)."""
+        return full_weights(self.unwrap(model), self._pp_group())
+
+    def weights_for_save(self, models: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+        return [self.model_state_dict(model) for model in models]
+
+    def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+             weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
+             sealer: Sealer | None = None) -> None:
+        """The writer stores the full weights and the optimizers in the single-process format."""
+        stage = self.unwrap(models[0])
+        states = [full_optimizer_state(stage, opt, self._layout(opt), self._pp_group()) for opt in optimizers]
+        if not writer:
+            return
+        for i, state in enumerate(weights):
+            if state:
+                ckpt.save_model_weights(state, folder, i, safe_serialization, sealer=sealer)
+        for i, state in enumerate(states):
+            ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), sealer=sealer)
+
+    def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
+              strict: bool = True, map_location: Any = "cpu") -> CheckedState:
+        """Read the full checkpoint; keep this stage's weights and its optimizer state, re-indexed."""
+        stage = self.unwrap(models[0])
+        path, saved = ckpt.read_model_weights(folder, 0)
+        unknown = sorted(set(saved) - self._full_keys)
+        if strict and unknown:
+            raise CheckpointError(f"{path} holds keys the model does not have: {unknown[:8]}. Nothing was loaded.")
+        mine = {key: value for key, value in saved.items() if key in stage.state_dict()}
+        ckpt.check_model_weights(stage, mine, path, strict=strict)
+        optimizer_states = []
+        for i, optimizer in enumerate(optimizers):
+            file = folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))
+            state = stage_optimizer_state(ckpt.torch_load(file, map_location), stage, optimizer, self._layout(optimizer))
+            checks.check_optimizer_state(optimizer, state, file)
+            optimizer_states.append(state)
+        return CheckedState(optimizer_states=optimizer_states, models=[mine])
+
+    def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        raise CheckpointError("save_state inside an accumulation window is not available under pp_size > 1 yet: "
+                              "save after the optimizer step (when accelerator.sync_gradients is True).")
+
+
+__all__ = ["PipelineStrategy", "PipelinedModel", "check_divisible"]
