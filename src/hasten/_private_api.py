@@ -13,7 +13,8 @@ Nothing else in ``src/hasten`` may reach these names (a house rule greps for the
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hasten.exceptions import HastenError
@@ -171,6 +172,32 @@ def memory_tracker(fsdp_module: Any = None, optimizer: Any = None) -> Any:
     return tracker(fsdp_module, optimizer)
 
 
+
+@contextmanager
+def dtensor_propagation_in_own_fake_mode() -> Iterator[None]:
+    """While a plan runs, DTensor's shape propagation (``tensor._sharding_prop.detect_fake_mode``) makes its
+    own fake mode instead of joining the plan's.
+
+    Why: DTensor computes output metadata by running each op on global-shape fake tensors, under the active
+    fake mode if there is one. Torch's memory tracker skips those ops only when they run under another fake
+    mode than its own (as in a real run), so under the plan's mode it would count full-size tensors that a
+    real run never allocates (a multi-tensor optimizer step over FSDP2 shards planned 1.8x its measured peak).
+    Falls back to leaving torch as it is (the plan may then overcount) when the hook moved.
+    """
+    try:
+        module = importlib.import_module("torch.distributed.tensor._sharding_prop")
+    except ImportError:
+        module = None
+    original = getattr(module, "detect_fake_mode", None)
+    if original is None:
+        yield
+        return
+    module.detect_fake_mode = lambda *args, **kwargs: None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        module.detect_fake_mode = original  # type: ignore[union-attr]
+
 # ---------------------------------------------------------------------------------------- torch core
 def to_call_device(*args: Any, **kwargs: Any) -> Any:
     """The device a ``Module.to(*args, **kwargs)`` call names (None for a dtype-only call): ``torch._C._nn._parse_to``.
@@ -218,9 +245,10 @@ def fixture_argnames(item: Any) -> tuple[str, ...]:
 PRIVATE_NAMES = ("_get_default_store", "_flatten(", "_set_unshard_async_op", "_get_fsdp_state", "_fsdp_param_group",
                  "_unsharded_", "unsharded_accumulated_grad", "distributed._composable", "algorithms._checkpoint",
                  "experimental._attention", "_parse_to", "_run_exitfuncs", "_fixtureinfo", "_subclasses",
-                 "_internal.distributed", "distributed._tools")
+                 "_internal.distributed", "distributed._tools", "_sharding_prop")
 
 __all__ = ["CHECKED_TORCH", "PRIVATE_NAMES", "PrivateAPIError", "apply_activation_checkpointing", "clone_default_store",
-           "composable_checkpoint", "fake_process_group_store", "fake_tensor_mode", "fixture_argnames", "flatten_mesh",
-           "fsdp_param_records", "has_unshard_async", "memory_tracker", "pending_gradient", "run_exit_functions",
-           "set_pending_gradient", "set_rotate_method", "set_unshard_async", "to_call_device"]
+           "composable_checkpoint", "dtensor_propagation_in_own_fake_mode", "fake_process_group_store",
+           "fake_tensor_mode", "fixture_argnames", "flatten_mesh", "fsdp_param_records", "has_unshard_async",
+           "memory_tracker", "pending_gradient", "run_exit_functions", "set_pending_gradient", "set_rotate_method",
+           "set_unshard_async", "to_call_device"]

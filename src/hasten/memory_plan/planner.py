@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hasten._private_api import fake_process_group_store, fake_tensor_mode, memory_tracker
+from hasten._private_api import (
+    dtensor_propagation_in_own_fake_mode,
+    fake_process_group_store,
+    fake_tensor_mode,
+    memory_tracker,
+)
 from hasten.base.dataclasses import DistributedType
 from hasten.config.parallelism import ParallelismConfig
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
@@ -50,6 +55,7 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
                 optimizer: str | Callable[[Any], torch.optim.Optimizer] = "adamw", momentum: float = 0.0,
                 mixed_precision: str = "no", model_kwargs: Mapping[str, Any] | None = None,
                 device_type: str = "cuda", fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+                reshard_after_forward: bool | None = None, activation_checkpointing: bool = False,
                 loss_fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None = None,
                 top_modules: int = 5) -> MemoryPlan:
     """Plan the memory of one training step per process, without allocating it.
@@ -66,7 +72,8 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
         device_type: the device the run will use; it picks torch's optimizer implementation (multi-tensor on
             ``'cuda'``, per tensor on ``'cpu'``) and, on ``'cpu'``, hasten's gloo settings for FSDP2.
         fsdp_plugin: FSDP2 settings (wrap policy, ``reshard_after_forward``, ``activation_checkpointing``);
-            default: every block in the model's ``_no_split_modules`` is a unit, else the root alone.
+            default: every block in the model's ``_no_split_modules`` is a unit, else the root alone, with
+            ``reshard_after_forward`` and ``activation_checkpointing`` as given (they apply to the default only).
         loss_fn: ``(output, batch) -> loss``; default the output's ``.loss``, else the mean of the output.
         top_modules: how many of the largest modules to list per process.
 
@@ -83,14 +90,18 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
         raise PlanError(f"mixed_precision {mixed_precision!r} cannot be planned: use one of {MIXED_PRECISIONS}.")
     if device_type not in ("cuda", "cpu"):
         raise PlanError(f"device_type {device_type!r} cannot be planned: use 'cuda' or 'cpu'.")
+    if not parsed.sharded and (fsdp_plugin is not None or activation_checkpointing or reshard_after_forward is not None):
+        raise PlanError(f"FSDP2 settings (activation checkpointing, reshard_after_forward, fsdp_plugin) need a sharded "
+                        f"layout, not {parsed.describe()!r}: use layout='dp_shard={num_processes}'.")
     label, make_optimizer = make_optimizer_factory(optimizer, momentum=momentum, foreach=device_type == "cuda")
     spec = batch_spec(batch, batch_size, seq_len, input_shape)
     with _fake_world(num_processes):
         mesh = ParallelismConfig(dp_shard_size=parsed.dp_shard).build_device_mesh("cpu") if parsed.sharded else None
-        with fake_tensor_mode():
+        with fake_tensor_mode(), dtensor_propagation_in_own_fake_mode():
             built, model_label = build_model(model, model_kwargs)
+            plugin = fsdp_plugin or _default_plugin(built, reshard_after_forward, activation_checkpointing)
             process = _run_step(built, parsed, mesh, spec, make_optimizer, mixed_precision, device_type,
-                                fsdp_plugin, loss_fn, top_modules)
+                                plugin, loss_fn, top_modules)
     return MemoryPlan(model=model_label, layout=parsed.describe(), num_processes=num_processes, optimizer=label,
                       mixed_precision=mixed_precision, batch={k: list(shape) for k, (shape, _) in spec.items()},
                       per_process=[ProcessPlan(**{**process.__dict__, "rank": rank}) for rank in range(num_processes)])
@@ -110,8 +121,16 @@ def _fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def _default_plugin(model: nn.Module, reshard_after_forward: bool | None,
+                    activation_checkpointing: bool) -> FullyShardedDataParallelPlugin:
+    """FSDP2 settings for a plan: the model's own blocks (``_no_split_modules``) as units when it names any."""
+    wrap = "transformer_based_wrap" if getattr(model, "_no_split_modules", None) else None
+    return FullyShardedDataParallelPlugin(auto_wrap_policy=wrap, reshard_after_forward=reshard_after_forward,
+                                          activation_checkpointing=activation_checkpointing)
+
+
 def _prepare(model: nn.Module, layout: Layout, mesh: Any, mixed_precision: str, device_type: str,
-             plugin: FullyShardedDataParallelPlugin | None) -> nn.Module:
+             plugin: FullyShardedDataParallelPlugin) -> nn.Module:
     """``model`` with this run's precision and, when sharded, FSDP2's units as hasten's strategy shards them."""
     precision = create_precision(mixed_precision, "cpu")
     if not layout.sharded:
@@ -128,9 +147,6 @@ def _prepare(model: nn.Module, layout: Layout, mesh: Any, mixed_precision: str, 
     from hasten.strategies.fsdp2_gloo import tune_for_gloo
     from hasten._private_api import composable_checkpoint
 
-    if plugin is None:
-        wrap = "transformer_based_wrap" if getattr(model, "_no_split_modules", None) else None
-        plugin = FullyShardedDataParallelPlugin(auto_wrap_policy=wrap)
     strategy = FSDP2Strategy(torch.device("cpu"), precision, DistributedType.FSDP, layout.dp_shard, plugin=plugin,
                              world_mesh=mesh)
     strategy.apply_precision(model)
@@ -147,7 +163,7 @@ def _prepare(model: nn.Module, layout: Layout, mesh: Any, mixed_precision: str, 
 
 def _run_step(model: nn.Module, layout: Layout, mesh: Any, spec: dict[str, tuple[tuple[int, ...], torch.dtype]],
               make_optimizer: Callable[[Any], torch.optim.Optimizer], mixed_precision: str, device_type: str,
-              plugin: FullyShardedDataParallelPlugin | None, loss_fn: Any, top_modules: int) -> ProcessPlan:
+              plugin: FullyShardedDataParallelPlugin, loss_fn: Any, top_modules: int) -> ProcessPlan:
     """Prepare ``model``, run :data:`PLANNED_STEPS` steps inside torch's tracker; rank 0's plan."""
     model = _prepare(model, layout, mesh, mixed_precision, device_type, plugin)
     optimizer = make_optimizer(model.parameters())
