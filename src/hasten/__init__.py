@@ -94,11 +94,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
     )
     from hasten.environments.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from hasten.inference import prepare_pippy as prepare_pippy
-    from hasten.memory_plan import MemoryPlan as MemoryPlan, plan_memory as plan_memory
     from hasten.launchers.notebook import (
         debug_launcher as debug_launcher,
         notebook_launcher as notebook_launcher,
     )
+    from hasten.memory_plan import MemoryPlan as MemoryPlan, plan_memory as plan_memory
     from hasten.ops.random import synchronize_rng_states as synchronize_rng_states
     from hasten.parallelism_config import ParallelismConfig as ParallelismConfig
     from hasten.state import (

@@ -7,7 +7,15 @@ Example:
 
 from hasten.memory_plan.inputs import Layout, PlanError, parse_layout
 from hasten.memory_plan.planner import plan_memory
-from hasten.memory_plan.result import CATEGORIES, MemoryPlan, ModuleMemory, ProcessPlan, format_bytes, format_plan, parse_bytes
+from hasten.memory_plan.result import (
+    CATEGORIES,
+    MemoryPlan,
+    ModuleMemory,
+    ProcessPlan,
+    format_bytes,
+    format_plan,
+    parse_bytes,
+)
 
 __all__ = ["CATEGORIES", "Layout", "MemoryPlan", "ModuleMemory", "PlanError", "ProcessPlan", "format_bytes",
            "format_plan", "parse_bytes", "parse_layout", "plan_memory"]

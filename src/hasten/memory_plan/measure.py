@@ -46,4 +46,4 @@ def measure_step_memory(accelerator: Any, model: nn.Module, make_optimizer: Call
             optimizer.zero_grad(set_to_none=True)
             tracker.reset_mod_stats()
     sums = categorize(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
-    return ProcessPlan(rank=accelerator.process_index, peak_bytes=sum(sums.values()), **sums)
+    return ProcessPlan(rank=accelerator.process_index, peak_bytes=sum(sums.values()), **sums, largest_modules=())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten._private_api import (
+    composable_checkpoint,
     dtensor_propagation_in_own_fake_mode,
     fake_process_group_store,
     fake_tensor_mode,
@@ -32,6 +34,12 @@ from hasten._private_api import (
 from hasten.base.dataclasses import DistributedType
 from hasten.config.parallelism import ParallelismConfig
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
+from hasten.config.plugins.fsdp_units import (
+    build_wrap_policy,
+    checkpoint_targets,
+    ignored_module_list,
+    select_units,
+)
 from hasten.memory_plan.inputs import (
     MIXED_PRECISIONS,
     Layout,
@@ -44,6 +52,7 @@ from hasten.memory_plan.inputs import (
 from hasten.memory_plan.result import MemoryPlan, ModuleMemory, ProcessPlan, categorize
 from hasten.precision import create_precision
 from hasten.strategies.fsdp2 import FSDP2Strategy
+from hasten.strategies.fsdp2_gloo import tune_for_gloo
 
 #: Optimizer steps in a plan: the first creates the optimizer state, the second runs with it in place.
 PLANNED_STEPS = 2
@@ -104,7 +113,7 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
                                 plugin, loss_fn, top_modules)
     return MemoryPlan(model=model_label, layout=parsed.describe(), num_processes=num_processes, optimizer=label,
                       mixed_precision=mixed_precision, batch={k: list(shape) for k, (shape, _) in spec.items()},
-                      per_process=[ProcessPlan(**{**process.__dict__, "rank": rank}) for rank in range(num_processes)])
+                      per_process=[replace(process, rank=rank) for rank in range(num_processes)])
 
 
 @contextmanager
@@ -138,15 +147,6 @@ def _prepare(model: nn.Module, layout: Layout, mesh: Any, mixed_precision: str, 
         if precision.native_amp:
             precision.wrap_forward(model)
         return model
-    from hasten.config.plugins.fsdp_units import (
-        build_wrap_policy,
-        checkpoint_targets,
-        ignored_module_list,
-        select_units,
-    )
-    from hasten.strategies.fsdp2_gloo import tune_for_gloo
-    from hasten._private_api import composable_checkpoint
-
     strategy = FSDP2Strategy(torch.device("cpu"), precision, DistributedType.FSDP, layout.dp_shard, plugin=plugin,
                              world_mesh=mesh)
     strategy.apply_precision(model)
