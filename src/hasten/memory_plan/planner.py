@@ -230,7 +230,7 @@ def _record_outputs(model: nn.Module) -> dict[str, Any]:
     """Forward hooks that note the output bytes of each module holding parameters of its own (first call)."""
     record: dict[str, Any] = {"__handles__": []}
     for name, module in model.named_modules():
-        if not name or not any(True for _ in module.parameters(recurse=False)):
+        if not any(True for _ in module.parameters(recurse=False)):
             continue
 
         def hook(_module: nn.Module, _args: Any, output: Any, name: str = name) -> None:
@@ -245,10 +245,11 @@ def _largest_modules(model: nn.Module, outputs: dict[str, Any], count: int) -> t
     found = []
     for name, module in model.named_modules():
         params = list(module.parameters(recurse=False))
-        if not name or not params:
+        if not params:
             continue
         local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-        found.append(ModuleMemory(name, sum(t.numel() * t.element_size() for t in local), int(outputs.get(name, 0))))
+        found.append(ModuleMemory(name or "(root)", sum(t.numel() * t.element_size() for t in local),
+                                  int(outputs.get(name, 0))))
     found.sort(key=lambda m: m.parameter_bytes + m.output_bytes, reverse=True)
     return tuple(found[:count])
 
