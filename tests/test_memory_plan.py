@@ -189,16 +189,42 @@ def test_json_plan_has_one_entry_per_process(capsys):
 
 
 def test_text_plan_and_budget(capsys):
+    from hasten import plan_memory
     from hasten.commands.main import main
 
     assert main([*TRAIN, "--num_processes", "2", "--layout", "dp_replicate=2"]) == 0
     out = capsys.readouterr().out
     assert "optimizer state" in out and "communication" in out and "peak" in out
     assert main([*TRAIN, "--num_processes", "2", "--budget", "20MiB"]) == 0
-    out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if "peak" in line]
-    assert "DDP" in lines[0] and "does not fit" in lines[0]  # a full replica + buckets: ~24 MB
-    assert any(line.endswith(", fits") for line in lines[1:])  # a sharded layout does
+    lines = [line for line in capsys.readouterr().out.splitlines() if "peak" in line]
+    assert "DDP" in lines[0] and "does not fit" in lines[0]  # a full replica + buckets: ~23 MiB
+    assert "not even batch size 1 fits" in lines[0]
+    assert "dp_shard=2" in lines[2] and ", fits;" in lines[2]  # a sharded layout does
+    largest = int(lines[2].rsplit(":", 1)[1])
+    # ground truth: the plan at that batch size fits the budget, one more sample does not
+    planned = [plan_memory("torch.nn:Linear", model_kwargs={"in_features": 1000, "out_features": 1000},
+                           batch_size=size, input_shape=(1000,), num_processes=2, layout="dp_shard=2",
+                           reshard_after_forward=True).peak_bytes for size in (largest, largest + 1)]
+    assert planned[0] <= 20 * 2**20 < planned[1]
+
+
+def test_largest_batch_size_search_equals_brute_force_with_few_plans():
+    from hasten.memory_plan.search import largest_batch_size
+
+    for fixed, per_sample, curve, budget, start in [(100, 10, 0, 200, 4), (100, 10, 0, 50, 4), (100, 10, 3, 4000, 8),
+                                                    (100, 10, 0, 110, 1), (100, 10, 0, 200, 1000),
+                                                    (5000, 7, 1, 90000, 2)]:
+        calls: list[int] = []
+
+        def peak(size, fixed=fixed, per_sample=per_sample, curve=curve, calls=calls):
+            calls.append(size)
+            return fixed + per_sample * size + curve * size * size
+
+        expected = max((b for b in range(1, 5000) if peak(b) <= budget), default=0)
+        calls.clear()
+        assert largest_batch_size(peak, budget, start=start) == expected
+        if curve == 0:  # memory linear in the batch size: two plans, the guess and the size above it
+            assert len(calls) <= 4, calls
 
 
 @pytest.mark.parametrize(("extra", "named"), [

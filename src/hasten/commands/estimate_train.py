@@ -4,7 +4,8 @@ Without ``--train`` the command prints the inference table (``estimate_memory.py
 model is prepared for the layout on fake tensors and a fake process group of ``--num_processes`` ranks and
 runs one step (two optimizer steps) inside torch's memory tracker (``hasten.plan_memory``). ``--json``
 prints the plan as one JSON object; ``--budget`` plans every layout hasten can plan for that many processes
-and lists the ones that fit, cheapest communication first.
+and lists the ones that fit, cheapest communication first, each with the largest batch size per process
+that fits (``hasten.memory_plan.search``).
 """
 
 from __future__ import annotations
@@ -119,22 +120,38 @@ def candidate_layouts(num_processes: int) -> list[tuple[str, str | None, dict[st
              {"reshard_after_forward": True, "activation_checkpointing": True})]
 
 
+def _layout_row(args: argparse.Namespace, options: dict[str, Any], layout: str | None, label: str,
+                budget: int) -> dict[str, Any]:
+    """One ``--budget`` row: the peak at ``--batch_size`` and the largest batch size that fits."""
+    from hasten.memory_plan.search import largest_batch_size
+
+    peaks: dict[int, int] = {}
+
+    def peak_at(size: int) -> int:
+        if size not in peaks:
+            peaks[size] = _plan(args.model_name, {**options, "batch_size": size}, layout).peak_bytes
+        return peaks[size]
+
+    peak = peak_at(args.batch_size)
+    return {"layout": label, "peak_bytes": peak, "fits": peak <= budget,
+            "largest_batch_size": largest_batch_size(peak_at, budget, start=args.batch_size)}
+
+
 def _print_fitting(args: argparse.Namespace, options: dict[str, Any], budget: int) -> int:
     from hasten.memory_plan import format_bytes
 
-    rows = []
-    for label, layout, settings in candidate_layouts(args.num_processes):
-        plan = _plan(args.model_name, {**options, **settings}, layout)
-        rows.append({"layout": label, "peak_bytes": plan.peak_bytes, "fits": plan.fits(budget)})
-    fitting = [row for row in rows if row["fits"]]
+    rows = [_layout_row(args, {**options, **settings}, layout, label, budget)
+            for label, layout, settings in candidate_layouts(args.num_processes)]
     if args.json:
-        print(json.dumps({"budget_bytes": budget, "layouts": rows}))
+        print(json.dumps({"budget_bytes": budget, "batch_size": args.batch_size, "layouts": rows}))
         return 0
     print(f"Layouts for {args.num_processes} process(es) within {format_bytes(budget)} per process "
-          "(cheapest communication first):")
+          f"(cheapest communication first), at batch size {args.batch_size} per process:")
     for row in rows:
         mark = "fits" if row["fits"] else "does not fit"
-        print(f"  {row['layout']}: peak {format_bytes(row['peak_bytes'])} per process, {mark}")
-    if not fitting:
-        print("  none fits: lower --batch_size or --seq_len, add processes, or use bf16 mixed precision.")
+        largest = row["largest_batch_size"]
+        print(f"  {row['layout']}: peak {format_bytes(row['peak_bytes'])} per process, {mark}; "
+              + (f"largest batch size that fits: {largest}" if largest else "not even batch size 1 fits"))
+    if not any(row["largest_batch_size"] for row in rows):
+        print("  none fits: lower --seq_len, add processes, or use bf16 mixed precision.")
     return 0
