@@ -240,6 +240,9 @@ def test_largest_batch_size_search_equals_brute_force_with_few_plans():
     (["--train", "--batch_size", "8", "--input_shape", "1000", "--mixed_precision", "fp4"], "'fp4'"),
     (["--train", "--batch_size", "8", "--input_shape", "1000", "--budget", "lots"], "'lots'"),
     (["--train", "--batch_size", "8", "--input_shape", "7"], "input(8, 7)"),
+    (["--train", "--batch_size", "8", "--input_shape", "1000", "--num_processes", "2", "--layout", "dp_shard=2",
+      "--reshard_after_forward", "maybe"], "'maybe' is not a boolean"),
+    (["--train", "--batch_size", "8", "--input_shape", "1000", "--activation_checkpointing"], "need a sharded layout"),
     (["--batch_size", "8"], "--train"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, named):

@@ -41,7 +41,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                        help="cuda (default) or cpu: picks torch's optimizer implementation and hasten's gloo settings")
     group.add_argument("--activation_checkpointing", "--activation-checkpointing", action="store_true",
                        help="FSDP2: recompute each wrapped block's activations in backward")
-    group.add_argument("--reshard_after_forward", "--reshard-after-forward", default=None, choices=["true", "false"],
+    group.add_argument("--reshard_after_forward", "--reshard-after-forward", default=None,
                        help="FSDP2: free gathered parameters after forward (default true)")
     group.add_argument("--budget", default=None, help="memory per process, e.g. 80GiB: list the layouts that fit")
     group.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -88,7 +88,10 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
             shape = tuple(int(d) for d in args.input_shape.split(","))
         except ValueError:
             raise PlanError(f"--input_shape {args.input_shape!r} is not a shape: write e.g. '3,224,224'.") from None
-    reshard = None if args.reshard_after_forward is None else args.reshard_after_forward == "true"
+    given = None if args.reshard_after_forward is None else str(args.reshard_after_forward).lower()
+    if given not in (None, "true", "false"):
+        raise PlanError(f"--reshard_after_forward {args.reshard_after_forward!r} is not a boolean: write true or false.")
+    reshard = None if given is None else given == "true"
     return {"batch_size": args.batch_size, "seq_len": args.seq_len, "input_shape": shape,
             "num_processes": args.num_processes, "optimizer": args.optimizer, "momentum": args.momentum,
             "mixed_precision": args.mixed_precision, "model_kwargs": model_kwargs, "device_type": args.device_type,
