@@ -208,6 +208,16 @@ def test_text_plan_and_budget(capsys):
     assert planned[0] <= 20 * 2**20 < planned[1]
 
 
+def test_plan_largest_batch_size_is_the_boundary_of_the_plans():
+    from hasten.memory_plan import plan_largest_batch_size, plan_memory
+
+    options = {"input_shape": (128,), "num_processes": 2, "layout": "dp_shard=2", "device_type": "cpu"}
+    budget = 3 * 2**20
+    largest = plan_largest_batch_size(TinyNet, budget, batch_size=8, **options)
+    peaks = [plan_memory(TinyNet, batch_size=size, **options).peak_bytes for size in (largest, largest + 1)]
+    assert largest > 8 and peaks[0] <= budget < peaks[1]
+
+
 def test_largest_batch_size_search_equals_brute_force_with_few_plans():
     from hasten.memory_plan.search import largest_batch_size
 

@@ -9,6 +9,7 @@ the boundary, and a bisection between sizes known to fit and not to fit settles 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 #: The largest batch size the search tries (per process).
 MAX_BATCH_SIZE = 1 << 16
@@ -80,3 +81,24 @@ def _bracket(peaks: dict[int, int], budget_bytes: int, cap: int) -> tuple[int, i
     low = max((size for size, peak in peaks.items() if peak <= budget_bytes), default=0)
     high = min((size for size, peak in peaks.items() if peak > budget_bytes), default=cap + 1)
     return low, high
+
+
+def plan_largest_batch_size(model: Any, budget_bytes: int, *, batch_size: int = 1, **plan_kwargs: Any) -> int:
+    """The largest ``batch_size`` per process whose planned step fits ``budget_bytes`` (0: not even 1).
+
+    ``plan_kwargs`` are :func:`hasten.memory_plan.plan_memory`'s (``seq_len`` or ``input_shape``, layout,
+    optimizer, ...); ``batch_size`` is where the search starts. A start for ``find_executable_batch_size``
+    that needs no out-of-memory error to find:
+
+    Example:
+        >>> start = plan_largest_batch_size("llama-config", 80 * 2**30, batch_size=8, seq_len=2048,
+        ...                                 num_processes=8, layout="dp_shard=8", mixed_precision="bf16")
+        >>> @find_executable_batch_size(starting_batch_size=max(start, 1))
+        ... def train(batch_size): ...
+    """
+    from hasten.memory_plan.planner import plan_memory
+
+    def peak_at(size: int) -> int:
+        return plan_memory(model, batch_size=size, **plan_kwargs).peak_bytes
+
+    return largest_batch_size(peak_at, budget_bytes, start=batch_size)
