@@ -83,6 +83,8 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
         fsdp_plugin: FSDP2 settings (wrap policy, ``reshard_after_forward``, ``activation_checkpointing``);
             default: every block in the model's ``_no_split_modules`` is a unit, else the root alone, with
             ``reshard_after_forward`` and ``activation_checkpointing`` as given (they apply to the default only).
+        reshard_after_forward: FSDP2 frees gathered parameters after forward (None: the plugin's default, True).
+        activation_checkpointing: FSDP2 recomputes each unit's activations in backward.
         loss_fn: ``(output, batch) -> loss``; default the output's ``.loss``, else the mean of the output.
         top_modules: how many of the largest modules to list per process.
 
