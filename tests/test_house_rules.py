@@ -25,7 +25,7 @@ LAYERS = [
     ["hasten.data", "hasten.optim", "hasten.tracking", "hasten.optimizer", "hasten.scheduler", "hasten.state_helpers",
      "hasten.accelerator_state_files"],
     ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader",
-     "hasten.hooks", "hasten.inference"],
+     "hasten.hooks", "hasten.inference", "hasten.memory_plan"],
     ["hasten.commands", "hasten.testing", "hasten.test_utils", "hasten.memory_utils"],
     # Accelerate's `accelerate.utils` namespace: aliases of the ground floor's modules (hasten.base) and
     # Accelerate-only paths. Nothing inside hasten imports it (the facade rule below resolves its names).

@@ -72,3 +72,24 @@ def test_a_moved_api_raises_a_clear_error():
         private.pending_gradient(object())
     with pytest.raises(private.PrivateAPIError, match="_fixtureinfo"):
         private.fixture_argnames(object())
+
+
+def test_memory_planning_internals():
+    """What ``hasten.plan_memory`` stands on: fake tensors, the fake backend's store, torch's trackers, and the
+    hook through which DTensor's shape propagation finds the active fake mode."""
+    import importlib
+
+    with private.fake_tensor_mode():
+        fake = torch.empty(1 << 30)  # 4 GiB, never allocated
+        tracker = private.memory_tracker()
+        with tracker:
+            doubled = fake * 2
+        assert tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] == doubled.nbytes
+    assert hasattr(private.fake_process_group_store(), "set")
+    propagation = importlib.import_module("torch.distributed.tensor._sharding_prop")
+    original = propagation.detect_fake_mode
+    with private.fake_tensor_mode() as mode:
+        assert propagation.detect_fake_mode() is mode
+        with private.dtensor_propagation_in_own_fake_mode():
+            assert propagation.detect_fake_mode() is None
+    assert propagation.detect_fake_mode is original

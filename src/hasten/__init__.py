@@ -47,6 +47,8 @@ _EXPORTS = {
     "ParallelismConfig": "hasten.parallelism_config",
     "is_rich_available": "hasten.base.imports",
     "prepare_pippy": "hasten.inference",
+    "plan_memory": "hasten.memory_plan",
+    "MemoryPlan": "hasten.memory_plan",
     "install_as_accelerate": "hasten._accelerate_alias",
     "uninstall_as_accelerate": "hasten._accelerate_alias",
     "PREEMPTED_EXIT_CODE": "hasten.environments.preemption",
@@ -96,6 +98,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         debug_launcher as debug_launcher,
         notebook_launcher as notebook_launcher,
     )
+    from hasten.memory_plan import MemoryPlan as MemoryPlan, plan_memory as plan_memory
     from hasten.ops.random import synchronize_rng_states as synchronize_rng_states
     from hasten.parallelism_config import ParallelismConfig as ParallelismConfig
     from hasten.state import (

@@ -13,7 +13,8 @@ Nothing else in ``src/hasten`` may reach these names (a house rule greps for the
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hasten.exceptions import HastenError
@@ -146,6 +147,57 @@ def set_rotate_method(method: str) -> None:
     _import("torch.distributed.tensor.experimental._attention", "set_rotate_method", "context parallelism")(method)
 
 
+# ------------------------------------------------------------------------- memory planning (fake runs)
+def fake_tensor_mode() -> Any:
+    """A new ``torch._subclasses.fake_tensor.FakeTensorMode``: tensors with shapes and no storage.
+
+    Raises:
+        PrivateAPIError: torch moved it (``hasten.plan_memory`` cannot run a step without allocating then).
+    """
+    return _import("torch._subclasses.fake_tensor", "FakeTensorMode", "hasten.plan_memory")()
+
+
+def fake_process_group_store() -> Any:
+    """A ``FakeStore`` (``torch.testing._internal.distributed.fake_pg``) for the ``"fake"`` backend, whose
+    collectives return at once, so a process group of any world size exists in one process."""
+    return _import("torch.testing._internal.distributed.fake_pg", "FakeStore", "hasten.plan_memory")()
+
+
+def memory_tracker(fsdp_module: Any = None, optimizer: Any = None) -> Any:
+    """torch's memory tracker (``torch.distributed._tools``): ``FSDPMemTracker(fsdp_module, optimizer)``
+    for an FSDP2 model, else ``MemTracker()``; both work on fake and real tensors alike."""
+    if fsdp_module is None:
+        return _import("torch.distributed._tools.mem_tracker", "MemTracker", "hasten.plan_memory")()
+    tracker = _import("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker", "hasten.plan_memory")
+    return tracker(fsdp_module, optimizer)
+
+
+
+@contextmanager
+def dtensor_propagation_in_own_fake_mode() -> Iterator[None]:
+    """While a plan runs, DTensor's shape propagation (``tensor._sharding_prop.detect_fake_mode``) makes its
+    own fake mode instead of joining the plan's.
+
+    Why: DTensor computes output metadata by running each op on global-shape fake tensors, under the active
+    fake mode if there is one. Torch's memory tracker skips those ops only when they run under another fake
+    mode than its own (as in a real run), so under the plan's mode it would count full-size tensors that a
+    real run never allocates (a multi-tensor optimizer step over FSDP2 shards planned 1.8x its measured peak).
+    Falls back to leaving torch as it is (the plan may then overcount) when the hook moved.
+    """
+    try:
+        module = importlib.import_module("torch.distributed.tensor._sharding_prop")
+    except ImportError:
+        module = None
+    original = getattr(module, "detect_fake_mode", None)
+    if original is None:
+        yield
+        return
+    module.detect_fake_mode = lambda *args, **kwargs: None  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        module.detect_fake_mode = original  # type: ignore[union-attr]
+
 # ---------------------------------------------------------------------------------------- torch core
 def to_call_device(*args: Any, **kwargs: Any) -> Any:
     """The device a ``Module.to(*args, **kwargs)`` call names (None for a dtype-only call): ``torch._C._nn._parse_to``.
@@ -217,9 +269,11 @@ def fixture_argnames(item: Any) -> tuple[str, ...]:
 #: Every name above, for the house rule that keeps them here.
 PRIVATE_NAMES = ("_get_default_store", "_flatten(", "_set_unshard_async_op", "_get_fsdp_state", "_fsdp_param_group",
                  "_unsharded_", "unsharded_accumulated_grad", "distributed._composable", "algorithms._checkpoint",
-                 "experimental._attention", "_parse_to", "_run_exitfuncs", "_register_atexit", "_fixtureinfo")
+                 "experimental._attention", "_parse_to", "_run_exitfuncs", "_register_atexit", "_fixtureinfo",
+                 "_subclasses", "_internal.distributed", "distributed._tools", "_sharding_prop")
 
 __all__ = ["CHECKED_TORCH", "PRIVATE_NAMES", "PrivateAPIError", "apply_activation_checkpointing", "clone_default_store",
-           "composable_checkpoint", "fixture_argnames", "flatten_mesh", "fsdp_param_records", "has_unshard_async",
-           "pending_gradient", "run_before_threads_join", "run_exit_functions", "set_pending_gradient",
-           "set_rotate_method", "set_unshard_async", "to_call_device"]
+           "composable_checkpoint", "dtensor_propagation_in_own_fake_mode", "fake_process_group_store",
+           "fake_tensor_mode", "fixture_argnames", "flatten_mesh", "fsdp_param_records", "has_unshard_async",
+           "memory_tracker", "pending_gradient", "run_before_threads_join", "run_exit_functions",
+           "set_pending_gradient", "set_rotate_method", "set_unshard_async", "to_call_device"]

@@ -41,12 +41,24 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
                         help="JSON object of keyword arguments for a class path, e.g. '{\"hidden\": 1024}'")
     parser.add_argument("--trust_remote_code", "--trust-remote-code", action="store_true",
                         help="allow a transformers config folder to run its own modelling code")
+    from hasten.commands.estimate_train import add_train_arguments
+
+    add_train_arguments(parser)
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``hasten estimate-memory``: print the table, or one clear error (exit code 2)."""
+    """Entry point of ``hasten estimate-memory``: print the table (the plan with ``--train``), or one clear
+    error (exit code 2)."""
+    from hasten.commands.estimate_train import check_train_flags, run_train
+
+    if getattr(args, "train", False):
+        return run_train(args)
+    misuse = check_train_flags(args) if hasattr(args, "train") else None
+    if misuse:
+        print(f"hasten estimate-memory: error: {misuse}", file=sys.stderr)
+        return 2
     try:
         model, label = build_empty_model(args.model_name, args.model_kwargs, args.trust_remote_code)
     except EstimateError as exc:

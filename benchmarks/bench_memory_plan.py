@@ -1,0 +1,156 @@
+"""Predicted vs measured memory of one training step, per layout (``hasten.plan_memory``'s accuracy).
+
+For each case the plan runs on fake tensors in a fake process group; the same step then runs for real
+through ``Accelerator.prepare`` on 1, 2 or 4 forked gloo ranks, measured by torch's memory tracker in real
+mode (``hasten.memory_plan.measure``). Printed per case: the planned and measured peak of the worst rank,
+the error, and whether the plan answers "fits" right at budgets 15% above and 15% below the measured
+peak; then the median and largest error.
+
+    python benchmarks/bench_memory_plan.py            # every case (a few minutes on 2 cores)
+    python benchmarks/bench_memory_plan.py --quick    # 1 and 2 ranks, tiny models only
+
+What "measured" means: the bytes of live tensor storages, as torch's tracker counts them on CPU. It does
+not see the allocator's rounding and caching on a GPU, the CUDA context or NCCL's own buffers: leave a
+margin of a few GiB for those when reading a plan against a GPU's capacity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from hasten.memory_plan import format_bytes, plan_memory  # noqa: E402
+from hasten.testing import run_on_ranks  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class MLPNet(nn.Module):
+    """A residual MLP (4 blocks of width 256): the plain-module case."""
+
+    _no_split_modules = ["Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(256) for _ in range(4))
+        self.head = nn.Linear(256, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+LLAMAS = {"llama-0.1M": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256),
+          "llama-9M": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=4, vocab_size=8192)}
+
+
+def _cases(world: int, quick: bool) -> list[tuple[str, str | None, str, str, dict[str, Any]]]:
+    """(model, layout, mixed precision, optimizer, FSDP2 options) for ``world`` processes."""
+    models = ["mlp", "llama-0.1M"] if quick else ["mlp", "llama-0.1M", "llama-9M"]
+    cases: list[tuple[str, str | None, str, str, dict[str, Any]]] = []
+    for model in models:
+        if world == 1:
+            cases += [(model, None, "no", "adamw", {}), (model, None, "bf16", "sgd", {})]
+            continue
+        ddp, shard = f"dp_replicate={world}", f"dp_shard={world}"
+        cases += [(model, ddp, "no", "adamw", {}), (model, ddp, "bf16", "sgd", {}),
+                  (model, shard, "no", "adamw", {}), (model, shard, "bf16", "adamw", {}),
+                  (model, shard, "bf16", "sgd", {"reshard_after_forward": False}),
+                  (model, shard, "bf16", "adamw", {"activation_checkpointing": True})]
+    return cases
+
+
+def _build(model: str, folder: str) -> nn.Module:
+    if model == "mlp":
+        return MLPNet()
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(f"{folder}/{model}"))
+
+
+def _batch(model: str) -> dict[str, torch.Tensor]:
+    if model == "mlp":
+        return {"input": torch.randn(64, 256)}
+    ids = torch.randint(0, 256, (4, 128))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _measure(cases: list, folder: str) -> list:
+    from hasten import Accelerator, FullyShardedDataParallelPlugin
+    from hasten.memory_plan.inputs import make_optimizer_factory
+    from hasten.memory_plan.measure import measure_step_memory
+    from hasten.state import reset_state
+
+    results = []
+    for model, layout, precision, optimizer, options in cases:
+        reset_state()
+        plugin = None
+        if layout and layout.startswith("dp_shard"):
+            plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="transformer_based_wrap", **options)
+        accelerator = Accelerator(mixed_precision=precision, fsdp_plugin=plugin)
+        _, make = make_optimizer_factory(optimizer, foreach=False)
+        results.append(measure_step_memory(accelerator, _build(model, folder), make, _batch(model)))
+    return results
+
+
+def _plan(case: tuple, world: int, folder: str) -> Any:
+    model, layout, precision, optimizer, options = case
+    source: Any = MLPNet if model == "mlp" else f"{folder}/{model}"
+    batch = {key: torch.empty(value.shape, dtype=value.dtype, device="meta") for key, value in _batch(model).items()}
+    batch_arg: Any = batch["input"] if model == "mlp" else batch
+    return plan_memory(source, batch=batch_arg, num_processes=world, layout=layout, mixed_precision=precision,
+                       optimizer=optimizer, device_type="cpu", **options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, the two tiny models")
+    args = parser.parse_args(argv)
+    import transformers
+
+    errors, wrong_answers = [], 0
+    print(f"{'model':11} {'ranks':>5} {'layout':15} {'precision':9} {'optimizer':9} {'options':26} "
+          f"{'planned':>11} {'measured':>11} {'error':>7}  fits@+15%/-15%")
+    with tempfile.TemporaryDirectory() as folder:
+        for name, sizes in LLAMAS.items():
+            transformers.LlamaConfig(**sizes, architectures=["LlamaForCausalLM"]).save_pretrained(f"{folder}/{name}")
+        for world in ((1, 2) if args.quick else (1, 2, 4)):
+            cases = _cases(world, args.quick)
+            measured = run_on_ranks(_measure, world_size=world, args=(cases, folder), timeout=1800)
+            for index, case in enumerate(cases):
+                plan = _plan(case, world, folder)
+                real = max(rank[index].peak_bytes for rank in measured)
+                error = (plan.peak_bytes - real) / real
+                answers = (plan.fits(int(real * 1.15)), not plan.fits(int(real * 0.85)))
+                wrong_answers += answers.count(False)
+                errors.append(abs(error))
+                options = ",".join(f"{k}={v}" for k, v in case[4].items()) or "-"
+                print(f"{case[0]:11} {world:5} {case[1] or 'single':15} {case[2]:9} {case[3]:9} {options:26} "
+                      f"{format_bytes(plan.peak_bytes):>11} {format_bytes(real):>11} {error:+7.2%}  "
+                      f"{'right' if all(answers) else 'WRONG'}")
+    print(f"{len(errors)} cases: median |error| {statistics.median(errors):.2%}, largest {max(errors):.2%}, "
+          f"wrong fits answers {wrong_answers}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""``plan_memory``: one training step of the prepared model, run on fake tensors in a fake process group.
+
+The model is built under torch's ``FakeTensorMode`` (shapes, no storage), prepared as hasten prepares it
+(FSDP2 through ``FSDP2Strategy``'s own unit selection, mixed-precision policy and ``fully_shard`` calls; one
+replica for DDP), and runs forward, backward and two optimizer steps inside torch's memory tracker
+(``MemTracker``, or ``FSDPMemTracker`` for FSDP2), which attributes every storage to a category. The
+process group is torch's ``"fake"`` backend over a ``FakeStore``: a world of any size exists in this one
+process and its collectives return at once, so rank 0 plans for every rank (FSDP2 pads shards to one size,
+DDP replicates: the ranks' plans are equal).
+
+DDP's own memory, its gradient buckets, is allocated by its C++ reducer, which cannot run on fake tensors:
+it is added from DDP's rule instead (one bucket copy of every trainable parameter's gradient, as
+``gradient_as_bucket_view=False``, Accelerate's default, keeps them), alive for the whole step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hasten._private_api import (
+    composable_checkpoint,
+    dtensor_propagation_in_own_fake_mode,
+    fake_process_group_store,
+    fake_tensor_mode,
+    memory_tracker,
+)
+from hasten.base.dataclasses import DistributedType
+from hasten.config.parallelism import ParallelismConfig
+from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
+from hasten.config.plugins.fsdp_units import (
+    build_wrap_policy,
+    checkpoint_targets,
+    ignored_module_list,
+    select_units,
+)
+from hasten.memory_plan.inputs import (
+    MIXED_PRECISIONS,
+    Layout,
+    PlanError,
+    batch_spec,
+    build_model,
+    make_optimizer_factory,
+    parse_layout,
+)
+from hasten.memory_plan.result import MemoryPlan, ModuleMemory, ProcessPlan, categorize
+from hasten.precision import create_precision
+from hasten.strategies.fsdp2 import FSDP2Strategy
+from hasten.strategies.fsdp2_gloo import tune_for_gloo
+
+#: Optimizer steps in a plan: the first creates the optimizer state, the second runs with it in place.
+PLANNED_STEPS = 2
+
+
+def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None, seq_len: int | None = None,
+                input_shape: tuple[int, ...] | None = None, num_processes: int = 1,
+                layout: str | Mapping[str, int] | None = None,
+                optimizer: str | Callable[[Any], torch.optim.Optimizer] = "adamw", momentum: float = 0.0,
+                mixed_precision: str = "no", model_kwargs: Mapping[str, Any] | None = None,
+                device_type: str = "cuda", fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+                reshard_after_forward: bool | None = None, activation_checkpointing: bool = False,
+                loss_fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None = None,
+                top_modules: int = 5) -> MemoryPlan:
+    """Plan the memory of one training step per process, without allocating it.
+
+    Args:
+        model: an ``nn.Module`` on the meta device, a factory returning one, a class path
+            ``'pkg.module:Class'`` (with ``model_kwargs``) or a transformers config folder.
+        batch: one process's batch as a sample (a tensor or a dict of tensors; meta tensors are fine), or
+            None with ``batch_size`` and ``seq_len`` (token ids) or ``input_shape`` (a float input).
+        num_processes: the world size planned for (it need not exist here).
+        layout: ``'dp_replicate=N'`` (DDP, the default) or ``'dp_shard=N'`` (FSDP2), as ParallelismConfig sizes.
+        optimizer: ``'adamw'``, ``'adam'``, ``'sgd'`` (with ``momentum``) or a callable ``params -> Optimizer``.
+        mixed_precision: ``'no'`` or ``'bf16'`` (autocast; under FSDP2 also its bf16 parameter policy).
+        device_type: the device the run will use; it picks torch's optimizer implementation (multi-tensor on
+            ``'cuda'``, per tensor on ``'cpu'``) and, on ``'cpu'``, hasten's gloo settings for FSDP2.
+        fsdp_plugin: FSDP2 settings (wrap policy, ``reshard_after_forward``, ``activation_checkpointing``);
+            default: every block in the model's ``_no_split_modules`` is a unit, else the root alone, with
+            ``reshard_after_forward`` and ``activation_checkpointing`` as given (they apply to the default only).
+        reshard_after_forward: FSDP2 frees gathered parameters after forward (None: the plugin's default, True).
+        activation_checkpointing: FSDP2 recomputes each unit's activations in backward.
+        loss_fn: ``(output, batch) -> loss``; default the output's ``.loss``, else the mean of the output.
+        top_modules: how many of the largest modules to list per process.
+
+    Raises:
+        PlanError: a bad layout, model, batch, optimizer or precision (the message names the value and the fix).
+
+    Example:
+        >>> plan = plan_memory("path/to/llama-config", batch_size=8, seq_len=128, num_processes=8,
+        ...                    layout="dp_shard=8", mixed_precision="bf16")
+        >>> print(plan.per_process[0].peak_bytes)
+    """
+    parsed = parse_layout(layout, num_processes)
+    if mixed_precision not in MIXED_PRECISIONS:
+        raise PlanError(f"mixed_precision {mixed_precision!r} cannot be planned: use one of {MIXED_PRECISIONS}.")
+    if device_type not in ("cuda", "cpu"):
+        raise PlanError(f"device_type {device_type!r} cannot be planned: use 'cuda' or 'cpu'.")
+    if not parsed.sharded and (fsdp_plugin is not None or activation_checkpointing or reshard_after_forward is not None):
+        raise PlanError(f"FSDP2 settings (activation checkpointing, reshard_after_forward, fsdp_plugin) need a sharded "
+                        f"layout, not {parsed.describe()!r}: use layout='dp_shard={num_processes}'.")
+    label, make_optimizer = make_optimizer_factory(optimizer, momentum=momentum, foreach=device_type == "cuda")
+    spec = batch_spec(batch, batch_size, seq_len, input_shape)
+    with _fake_world(num_processes):
+        mesh = ParallelismConfig(dp_shard_size=parsed.dp_shard).build_device_mesh("cpu") if parsed.sharded else None
+        with fake_tensor_mode(), dtensor_propagation_in_own_fake_mode():
+            built, model_label = build_model(model, model_kwargs)
+            plugin = fsdp_plugin or _default_plugin(built, reshard_after_forward, activation_checkpointing)
+            process = _run_step(built, parsed, mesh, spec, make_optimizer, mixed_precision, device_type,
+                                plugin, loss_fn, top_modules)
+    return MemoryPlan(model=model_label, layout=parsed.describe(), num_processes=num_processes, optimizer=label,
+                      mixed_precision=mixed_precision, batch={k: list(shape) for k, (shape, _) in spec.items()},
+                      per_process=[replace(process, rank=rank) for rank in range(num_processes)])
+
+
+@contextmanager
+def _fake_world(world_size: int) -> Iterator[None]:
+    """A default process group of ``world_size`` ranks on torch's fake backend, for the duration of a plan."""
+    if dist.is_initialized():
+        raise PlanError("plan_memory needs its own fake process group, but this process already runs one "
+                        f"(world size {dist.get_world_size()}): plan before the run starts, or in another process "
+                        "(`hasten estimate-memory --train ...`).")
+    dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _default_plugin(model: nn.Module, reshard_after_forward: bool | None,
+                    activation_checkpointing: bool) -> FullyShardedDataParallelPlugin:
+    """FSDP2 settings for a plan: the model's own blocks (``_no_split_modules``) as units when it names any."""
+    wrap = "transformer_based_wrap" if getattr(model, "_no_split_modules", None) else None
+    return FullyShardedDataParallelPlugin(auto_wrap_policy=wrap, reshard_after_forward=reshard_after_forward,
+                                          activation_checkpointing=activation_checkpointing)
+
+
+def _prepare(model: nn.Module, layout: Layout, mesh: Any, mixed_precision: str, device_type: str,
+             plugin: FullyShardedDataParallelPlugin) -> nn.Module:
+    """``model`` with this run's precision and, when sharded, FSDP2's units as hasten's strategy shards them."""
+    precision = create_precision(mixed_precision, "cpu")
+    if not layout.sharded:
+        precision.convert_module(model)
+        if precision.native_amp:
+            precision.wrap_forward(model)
+        return model
+    strategy = FSDP2Strategy(torch.device("cpu"), precision, DistributedType.FSDP, layout.dp_shard, plugin=plugin,
+                             world_mesh=mesh)
+    strategy.apply_precision(model)
+    ignored = ignored_module_list(model, plugin.ignored_modules)
+    units = select_units(model, build_wrap_policy(plugin, model), ignored)
+    if plugin.activation_checkpointing:
+        for module in checkpoint_targets(model, units, ignored):
+            composable_checkpoint()(module)
+    strategy._fully_shard(model, units, ignored)  # the strategy's own fully_shard calls, minus moving real weights
+    if device_type == "cpu":  # hasten's CPU runs use gloo, where the strategy applies these two settings
+        tune_for_gloo(model, units)
+    return model
+
+
+def _run_step(model: nn.Module, layout: Layout, mesh: Any, spec: dict[str, tuple[tuple[int, ...], torch.dtype]],
+              make_optimizer: Callable[[Any], torch.optim.Optimizer], mixed_precision: str, device_type: str,
+              plugin: FullyShardedDataParallelPlugin, loss_fn: Any, top_modules: int) -> ProcessPlan:
+    """Prepare ``model``, run :data:`PLANNED_STEPS` steps inside torch's tracker; rank 0's plan."""
+    model = _prepare(model, layout, mesh, mixed_precision, device_type, plugin)
+    optimizer = make_optimizer(model.parameters())
+    inputs = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in spec.items()}
+    outputs = _record_outputs(model)
+    tracker = memory_tracker(model if layout.sharded else None, optimizer if layout.sharded else None)
+    if layout.sharded:
+        tracker.track_inputs(tuple(inputs.values()))
+    else:
+        tracker.track_external(model, optimizer, *inputs.values())
+    try:
+        with tracker:
+            for _ in range(PLANNED_STEPS):
+                train_step(model, optimizer, inputs, loss_fn)
+                tracker.reset_mod_stats()  # the trackers keep one iteration's module stats; the peak stays
+    except PlanError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model that cannot run this batch: one line, not a traceback
+        raise PlanError(f"the planned step failed for batch {_shapes(spec)} ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}); check the batch shape and the "
+                        "model's forward arguments.") from None
+    finally:
+        for handle in outputs.pop("__handles__", []):
+            handle.remove()
+    sums = categorize(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
+    if layout.dp_replicate > 1:
+        sums["communication"] += ddp_bucket_bytes(model)
+    return ProcessPlan(rank=0, peak_bytes=sum(sums.values()), **sums,
+                       largest_modules=_largest_modules(model, outputs, top_modules))
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[str, torch.Tensor],
+               loss_fn: Any = None) -> torch.Tensor:
+    """One step as a training loop runs it: forward, loss, backward, optimizer step, ``zero_grad``."""
+    output = model(inputs["input"]) if list(inputs) == ["input"] else model(**inputs)
+    loss = loss_fn(output, inputs) if loss_fn is not None else default_loss(output)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The output's ``.loss`` (a transformers model given labels), else the mean of the (first) output tensor."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if isinstance(output, Mapping):
+        output = next(iter(output.values()))
+    if not isinstance(output, torch.Tensor):
+        raise PlanError(f"the model returned a {type(output).__name__} with no loss: pass loss_fn=(output, batch) "
+                        "-> loss, or labels in the batch.")
+    return output.mean()
+
+
+def ddp_bucket_bytes(model: nn.Module) -> int:
+    """The bytes of DDP's gradient buckets: one copy of every trainable parameter's gradient."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _record_outputs(model: nn.Module) -> dict[str, Any]:
+    """Forward hooks that note the output bytes of each module holding parameters of its own (first call)."""
+    record: dict[str, Any] = {"__handles__": []}
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+
+        def hook(_module: nn.Module, _args: Any, output: Any, name: str = name) -> None:
+            if name not in record and isinstance(output, torch.Tensor):
+                record[name] = output.numel() * output.element_size()
+
+        record["__handles__"].append(module.register_forward_hook(hook))
+    return record
+
+
+def _largest_modules(model: nn.Module, outputs: dict[str, Any], count: int) -> tuple[ModuleMemory, ...]:
+    found = []
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        found.append(ModuleMemory(name or "(root)", sum(t.numel() * t.element_size() for t in local),
+                                  int(outputs.get(name, 0))))
+    found.sort(key=lambda m: m.parameter_bytes + m.output_bytes, reverse=True)
+    return tuple(found[:count])
+
+
+def _shapes(spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> str:
+    return ", ".join(f"{k}{tuple(shape)}:{str(dtype).removeprefix('torch.')}" for k, (shape, dtype) in spec.items())
