@@ -22,7 +22,7 @@ returned loss is the replica's own, as under DDP.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -381,8 +381,9 @@ class PipelineStrategy(Strategy):
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None) -> None:
-        """The writer stores the full weights and the optimizers in the single-process format."""
+             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+        """The writer stores the full weights and the optimizers in the single-process format (no engine
+        options: :meth:`engine_checkpoint_kwargs` refused any before the save started)."""
         stage = self.unwrap(models[0])
         states = [full_optimizer_state(stage, opt, self._layout(opt), self._pp_group()) for opt in optimizers]
         if not writer:
