@@ -135,7 +135,7 @@ class Snapshot:
                 raise CheckpointError(f"syncing a file of {self.folder} failed: {exc}") from exc
         finally:
             self.files.clear()
-            sealer._pool.shutdown(wait=True)
+            sealer.close()
 
 
 def _write_together(write: CollectiveWriter, staged: Any, path: Path, group: Any,
