@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hasten import Accelerator
-from hasten.checkpointing import manifest, sealing
+from hasten.checkpointing import manifest, sinks
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -74,16 +74,16 @@ def main() -> None:
         return out
 
     # Each file is checksummed as it is written and its fsync waited for before publication
-    # (hasten.checkpointing.sealing): that time belongs to the same row.
+    # (hasten.checkpointing.sinks.SealedSink): that time belongs to the same row.
     for name in ("seal", "finish"):
-        real = getattr(sealing.Sealer, name)
+        real = getattr(sinks.SealedSink, name)
 
         def timed_method(self: Any, *a: Any, _real: Any = real) -> Any:
             took, out = timed(lambda: _real(self, *a))
             phase["manifest"] += took
             return out
 
-        setattr(sealing.Sealer, name, timed_method)
+        setattr(sinks.SealedSink, name, timed_method)
 
     manifest.write_manifest = write_manifest_timed  # type: ignore[assignment]
     import hasten.checkpointing.naming as naming

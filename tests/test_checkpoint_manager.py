@@ -3,7 +3,7 @@ is given the objects and the strategy, and needs nothing else.
 
 Ground truths: the states taken at save time (weights, optimizer, scheduler, registered object, the
 step counter and the generators' next draws), the manifest's file list and process count, and the
-set of files the save's sealer was handed (every file the manager and the strategy wrote, none left
+set of files the save's sealed sink was handed (every file the manager and the strategy wrote, none left
 to the atomic fallback).
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from hasten.base.dataclasses import DistributedType
 from hasten.checkpointing import CheckpointError
 from hasten.checkpointing.manager import CheckpointManager, Ranks, TrainingObjects
-from hasten.checkpointing.sealing import Sealer
+from hasten.checkpointing.sinks import SealedSink
 from hasten.precision import Precision
 from hasten.strategies.base import Strategy
 from hasten.testing import run_on_ranks
@@ -77,12 +77,12 @@ def _save_train_load(root: str, world: int) -> dict:
     torch.manual_seed(100 + manager.ranks.process_index)  # each process its own generator stream
     _train(objects)
     sealed: list[str] = []
-    seal = Sealer.seal
-    Sealer.seal = lambda self, path: (sealed.append(path.name), seal(self, path))[1]  # type: ignore[method-assign]
+    seal = SealedSink.seal
+    SealedSink.seal = lambda self, path: (sealed.append(path.name), seal(self, path))[1]  # type: ignore[method-assign]
     try:
         folder = manager.save(objects, Path(root) / "ckpt")
     finally:
-        Sealer.seal = seal  # type: ignore[method-assign]
+        SealedSink.seal = seal  # type: ignore[method-assign]
     saved, saved_step, next_draw = _snapshot(objects), objects.step, torch.rand(3)
     _train(objects)
     _train(objects)

@@ -1,8 +1,9 @@
 """Asynchronous ``save_state``: a snapshot in host memory now, serialising, writing and publication in the background.
 
-``save_state(..., async_save=True)`` runs the same code as a synchronous save, but while it runs the
-staging folder is *captured*: every file hasten writes (:func:`hasten.checkpointing.files.write_file`)
-is not written; its state is **staged** instead, on the calling thread: its tensors copied into host
+``save_state(..., async_save=True)`` runs the same code as a synchronous save, but hands the writers
+a :class:`SnapshotSink` instead of the synchronous save's sealed sink
+(:mod:`hasten.checkpointing.sinks`): no file is written; its state is **staged** instead, on the
+calling thread: its tensors copied into host
 staging buffers that are allocated once and reused from save to save
 (:mod:`hasten.checkpointing.staging`), the small rest deep-copied. So the snapshot is consistent with
 the training state at the call, and the loop waits only for memory copies. Training then goes on while
@@ -10,7 +11,7 @@ a background thread (one per process):
 
 1. serialises each staged state with the same writer a synchronous save uses (safetensors,
    ``torch.save``) straight into its file, so the files are byte for byte those of a synchronous save,
-   then CRC-32s and fsyncs it (:class:`hasten.checkpointing.sealing.Sealer`);
+   then CRC-32s and fsyncs it (:class:`hasten.checkpointing.sinks.SealedSink`);
 2. tells the other processes it is done (or that it failed) on a process group of its own (gloo),
    so that it never interleaves with the training loop's collectives;
 3. once **every** process's files are durable, publishes the folder and prunes old checkpoints with
@@ -25,7 +26,7 @@ every process, naming the process and the file). So does every way out of the pr
 
 Sharded checkpoints (DCP folders, :mod:`hasten.checkpointing.dcp`) are staged the same way: each
 process's local shards are copied (DTensors of the same spec over host copies) and
-:meth:`Snapshot.add_collective` keeps them for a write that every process runs together. Before its
+:meth:`SnapshotSink.write_together` keeps them for a write that every process runs together. Before its
 own files, the background thread runs those writes (``dcp.save``) in the order the save added them,
 on the coordinator's gloo group, and the processes agree after each one: one thread, one order, one
 group, so DCP's collectives never interleave with the publication's or the training loop's. Files
@@ -47,7 +48,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from hasten.checkpointing import at_exit, sealing
+from hasten.checkpointing import at_exit
 from hasten.checkpointing.naming import run_stage_hooks
 from hasten.checkpointing.publication import (
     Publication,
@@ -57,20 +58,20 @@ from hasten.checkpointing.publication import (
     publish_agreed,
     raise_failure,
 )
+from hasten.checkpointing.sinks import CollectiveWriter, SealedSink, Writer
 from hasten.checkpointing.staging import StagingBuffers
 from hasten.exceptions import CheckpointError
 
-Writer = Callable[[Any, Path], Any]  # write(state, file): what a synchronous save runs for that file
-# write(state, folder, group): a write every process runs together (DCP's), on ``group`` (None: alone)
-CollectiveWriter = Callable[[Any, Path, Any], Any]
 _WRITTEN = object()  # a file already written on the calling thread: only sealed in the background
-_CAPTURING: dict[Path, Snapshot] = {}
 _WHAT = "The background save"  # the failure's subject (raise_failure)
-_LOCK = threading.Lock()
 
 
-class Snapshot:
-    """One process's part of an asynchronous save: staged states waiting to be serialised and written."""
+class SnapshotSink:
+    """One process's part of an asynchronous save, the sink its writers are handed: staged states
+    waiting to be serialised and written in the background.
+
+    Stage into it only inside :meth:`capturing`.
+    """
 
     def __init__(self, folder: Path, buffers: StagingBuffers | None = None) -> None:
         self.folder = folder
@@ -78,7 +79,17 @@ class Snapshot:
         self.files: list[tuple[Path, Writer, Any]] = []
         self.collective: list[tuple[Path, CollectiveWriter, Any]] = []
 
-    def add(self, path: Path, write: Writer, state: Any) -> None:
+    @contextmanager
+    def capturing(self) -> Iterator[SnapshotSink]:
+        """The block that stages the save's states; when it ends, copies from devices have completed and
+        the buffers this snapshot did not reuse are freed."""
+        self.buffers.begin()
+        try:
+            yield self
+        finally:
+            self.buffers.end()
+
+    def write(self, path: Path, write: Writer, state: Any) -> None:
         """Stage ``state`` now (tensors copied into the buffers); ``write(staged, path)`` runs later."""
         try:
             staged = self.buffers.stage(state)
@@ -87,7 +98,7 @@ class Snapshot:
             staged = _WRITTEN
         self.files.append((path, write, staged))
 
-    def add_collective(self, path: Path, write: CollectiveWriter, state: Any) -> None:
+    def write_together(self, path: Path, write: CollectiveWriter, state: Any) -> None:
         """Stage ``state`` now (a sharded state dict: local shards copied into the buffers);
         ``write(staged, path, group)`` runs later, on every process, in the order they were added."""
         self.collective.append((path, write, self.buffers.stage(state)))
@@ -116,7 +127,7 @@ class Snapshot:
         Raises:
             CheckpointError: serialising, a write or an fsync failed (names the file).
         """
-        sealer = sealing.Sealer(self.folder)
+        sealed = SealedSink(self.folder)
         try:
             while self.files:
                 path, write, staged = self.files.pop(0)  # the copy is dropped as soon as it is written
@@ -126,16 +137,16 @@ class Snapshot:
                     except Exception as exc:
                         raise CheckpointError(f"writing {path} failed: {type(exc).__name__}: {exc}") from exc
                 del staged
-                sealer.seal(path)
+                sealed.seal(path)
                 if after_file is not None:
                     after_file(path)
             try:
-                return sealer.finish()
+                return sealed.finish()
             except OSError as exc:
                 raise CheckpointError(f"syncing a file of {self.folder} failed: {exc}") from exc
         finally:
             self.files.clear()
-            sealer.close()
+            sealed.close()
 
 
 def _write_together(write: CollectiveWriter, staged: Any, path: Path, group: Any,
@@ -146,36 +157,6 @@ def _write_together(write: CollectiveWriter, staged: Any, path: Path, group: Any
         raise CheckpointError(f"writing {path} failed: {failure_text(exc)}") from exc
     if after is not None:
         after(path)
-
-
-def snapshot_for(path: Path) -> Snapshot | None:
-    """The snapshot capturing the staging folder ``path`` is written into, or None."""
-    if not _CAPTURING:
-        return None
-    with _LOCK:
-        for parent in path.parents:
-            if parent in _CAPTURING:
-                return _CAPTURING[parent]
-    return None
-
-
-@contextmanager
-def capture(folder: Path, buffers: StagingBuffers | None = None) -> Iterator[Snapshot]:
-    """Capture the files written into ``folder`` through ``write_file`` while the block runs.
-
-    Their states are staged in ``buffers`` (reused between saves; fresh ones when None). When the
-    block ends, copies from devices have completed and unused buffers are freed.
-    """
-    snapshot = Snapshot(folder, buffers)
-    snapshot.buffers.begin()
-    with _LOCK:
-        _CAPTURING[folder] = snapshot
-    try:
-        yield snapshot
-    finally:
-        with _LOCK:
-            _CAPTURING.pop(folder, None)
-        snapshot.buffers.end()
 
 
 # ------------------------------------------------------------------------------ coordination
@@ -205,7 +186,7 @@ class Coordinator:
         return first_failure(everyone)
 
 
-def finish(snapshot: Snapshot, pub: Publication, coordinator: Coordinator) -> None:
+def finish(snapshot: SnapshotSink, pub: Publication, coordinator: Coordinator) -> None:
     """The background part: write and seal, then publish and prune (:func:`publish_agreed`, the
     sequence a synchronous save runs), the processes agreeing on the coordinator's group."""
     def written(path: Path) -> None:
@@ -223,7 +204,7 @@ def finish(snapshot: Snapshot, pub: Publication, coordinator: Coordinator) -> No
 class BackgroundSaver:
     """At most one asynchronous save in flight; its failure is kept for the next :meth:`wait`.
 
-    It owns the process's staging buffers (:attr:`buffers`, for :func:`capture`), reused by every save.
+    It owns the process's staging buffers (:attr:`buffers`, for each :class:`SnapshotSink`), reused by every save.
     """
 
     def __init__(self, coordinator: Coordinator) -> None:
@@ -233,7 +214,7 @@ class BackgroundSaver:
         self._error: BaseException | None = None
         self.publication: Publication | None = None  # of the latest save (for the notice at exit)
 
-    def submit(self, snapshot: Snapshot, pub: Publication) -> None:
+    def submit(self, snapshot: SnapshotSink, pub: Publication) -> None:
         """Finish ``snapshot`` in a background thread (call :meth:`wait` first)."""
         assert self._thread is None, "one asynchronous save at a time"
 
@@ -279,4 +260,4 @@ class BackgroundSaver:
                 self.buffers.release()
 
 
-__all__ = ["BackgroundSaver", "CollectiveWriter", "Coordinator", "Publication", "Snapshot", "Writer", "capture", "finish", "snapshot_for"]
+__all__ = ["BackgroundSaver", "CollectiveWriter", "Coordinator", "Publication", "SnapshotSink", "Writer", "finish"]

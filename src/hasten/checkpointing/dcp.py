@@ -20,6 +20,7 @@ from torch import nn
 
 from hasten.checkpointing.rng import CheckpointError
 from hasten.checkpointing.safe_load import check_storage_paths, dcp_planner, dcp_reader, load_pickle
+from hasten.checkpointing.sinks import ATOMIC, Sink
 
 MODEL_DIR = "pytorch_model_fsdp_{index}"
 OPTIMIZER_DIR = "optimizer_{index}"
@@ -167,26 +168,18 @@ _QUIET = [False]  # the filter below is installed
 _SINGLE_PROCESS_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save"
 
 
-def _dcp_save(state: dict[str, Any], path: Path) -> None:
-    """``dcp.save`` of ``state`` to ``path`` on the calling thread, with torch's default process group
-    (every process together) -- unless an asynchronous save is capturing the folder: then the local
-    shards are only staged in host memory now and written by :func:`_write_staged` in the background."""
-    import torch.distributed.checkpoint as dcp
-
-    from hasten.checkpointing import background
-
-    snapshot = background.snapshot_for(path)
-    if snapshot is not None:
-        snapshot.add_collective(path, _write_staged, state)
-        return
-    dcp.save(state, checkpoint_id=str(path))
+def _dcp_save(state: dict[str, Any], path: Path, sink: Sink) -> None:
+    """``dcp.save`` of ``state`` to ``path`` through ``sink``: now, every process together on torch's
+    default group (a synchronous save, a helper), or, for an asynchronous save's snapshot sink, only
+    staged in host memory now and written by :func:`_write_shards` in the background."""
+    sink.write_together(path, _write_shards, state)
 
 
-def _write_staged(state: dict[str, Any], path: Path, group: Any) -> None:
-    """The background half of :func:`_dcp_save`: the staged shards through ``dcp.save`` on ``group``, the
-    background threads' own gloo group (None: a single process, no collectives). Same planner and writer
-    as a synchronous save, so the same files: each rank's ``__{rank}_0.distcp`` (fsync'ed by DCP), then
-    the coordinator's ``.metadata``."""
+def _write_shards(state: dict[str, Any], path: Path, group: Any) -> None:
+    """The shards of ``state`` through ``dcp.save`` on ``group``: torch's default group on the calling
+    thread, or the background threads' own gloo group for staged shards (None: a single process, no
+    collectives). One planner and writer, so the same files either way: each rank's
+    ``__{rank}_0.distcp`` (fsync'ed by DCP), then the coordinator's ``.metadata``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -205,11 +198,11 @@ def _write_staged(state: dict[str, Any], path: Path, group: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- sharded save / load
-def save_model(model: nn.Module, path: Path) -> None:
-    """Every rank writes its shards of ``model`` to the DCP folder ``path`` (in an asynchronous save: stages them)."""
+def save_model(model: nn.Module, path: Path, *, sink: Sink = ATOMIC) -> None:
+    """Every rank writes its shards of ``model`` to the DCP folder ``path`` (an asynchronous save's sink: stages them)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    _dcp_save({"model": get_model_state_dict(model)}, path)
+    _dcp_save({"model": get_model_state_dict(model)}, path, sink)
 
 
 def load_model(model: nn.Module, path: Path) -> None:
@@ -221,11 +214,12 @@ def load_model(model: nn.Module, path: Path) -> None:
     set_model_state_dict(model, state["model"])
 
 
-def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, *,
+                   sink: Sink = ATOMIC) -> None:
     """Every rank writes its shards of ``optimizer``'s state (keyed by parameter names) to ``path``."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    _dcp_save({"optimizer": get_optimizer_state_dict(model, optimizer)}, path)
+    _dcp_save({"optimizer": get_optimizer_state_dict(model, optimizer)}, path, sink)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:

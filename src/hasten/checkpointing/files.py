@@ -1,7 +1,9 @@
 """Reading and writing the individual files of a checkpoint folder, safely.
 
-Writes go through a temporary name and a rename; reads use safetensors or
-``torch.load(weights_only=True)`` (a checkpoint never runs code) and name the file on any failure.
+Writes go to the sink the caller hands over (:mod:`hasten.checkpointing.sinks`: sealed in a save's
+staging folder, staged for an asynchronous save, else a temporary name and a rename); reads use
+safetensors or ``torch.load(weights_only=True)`` (a checkpoint never runs code) and name the file on
+any failure.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hasten.base.serialization import atomic_path
-from hasten.checkpointing import background, safe_load, sealing
+from hasten.checkpointing import safe_load
 from hasten.checkpointing.rng import CheckpointError
+from hasten.checkpointing.sinks import ATOMIC, Sink, Writer
 
 SAFE_MODEL = "model{suffix}.safetensors"
 BIN_MODEL = "pytorch_model{suffix}.bin"
@@ -34,26 +36,16 @@ def suffix(index: int) -> str:
     return "" if index == 0 else f"_{index}"
 
 
-def write_file(path: Path, write: background.Writer, state: Any, *, sealer: sealing.Sealer | None = None) -> None:
-    """Run ``write(state, file)`` so that ``path`` is complete and durable before a checkpoint publishes it.
+def write_file(path: Path, write: Writer, state: Any, *, sink: Sink = ATOMIC) -> None:
+    """Have ``write(state, file)`` produce ``path`` through ``sink``, complete and durable before a checkpoint
+    publishes it.
 
-    With the save's ``sealer`` (a file of its staging folder) the file is written under its final name
-    and sealed (CRC-32 and fsync in the background, :mod:`hasten.checkpointing.sealing`): the folder
-    is published as a whole only after that. Inside an asynchronous save's staging folder, ``state`` is only staged now (its
-    tensors copied into reused host buffers) and ``write`` runs later on the copy, in the background
-    (:mod:`hasten.checkpointing.background`), so the file holds the same bytes. Anywhere else it goes
-    through a temporary name, an fsync and a rename.
+    The save's sealed sink writes a file of its staging folder under its final name and seals it (CRC-32
+    and fsync in the background); an asynchronous save's snapshot sink only stages ``state`` now and runs
+    ``write`` later on the copy, so the file holds the same bytes; the atomic sink (the default, for
+    files outside a save) goes through a temporary name, an fsync and a rename.
     """
-    snapshot = background.snapshot_for(path)
-    if snapshot is not None:
-        snapshot.add(path, write, state)
-        return
-    if sealer is None:
-        with atomic_path(path) as tmp:
-            write(state, tmp)
-        return
-    write(state, path)
-    sealer.seal(path)
+    sink.write(path, write, state)
 
 
 def _torch_write(obj: Any, file: Path) -> None:
@@ -62,9 +54,9 @@ def _torch_write(obj: Any, file: Path) -> None:
     torch.save(obj, file)
 
 
-def torch_save(obj: Any, path: Path, *, sealer: sealing.Sealer | None = None) -> None:
+def torch_save(obj: Any, path: Path, *, sink: Sink = ATOMIC) -> None:
     """``torch.save``, crash-safely (:func:`write_file`)."""
-    write_file(path, _torch_write, obj, sealer=sealer)
+    write_file(path, _torch_write, obj, sink=sink)
 
 
 def torch_load(path: Path, map_location: Any = "cpu") -> Any:
@@ -104,15 +96,15 @@ def dedupe_shared_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
 
 
 def save_model_weights(state_dict: Mapping[str, torch.Tensor], folder: Path, index: int, safe: bool, *,
-                       sealer: sealing.Sealer | None = None) -> Path:
+                       sink: Sink = ATOMIC) -> Path:
     """Write one model's weights as ``model{_i}.safetensors`` (or ``pytorch_model{_i}.bin``)."""
     if safe:
         path = folder / SAFE_MODEL.format(suffix=suffix(index))
         # still on their device: an asynchronous save stages them (pinned copies from a GPU)
-        write_file(path, _safetensors_write, dedupe_shared_tensors(state_dict), sealer=sealer)
+        write_file(path, _safetensors_write, dedupe_shared_tensors(state_dict), sink=sink)
         return path
     path = folder / BIN_MODEL.format(suffix=suffix(index))
-    torch_save({k: v.cpu() for k, v in state_dict.items()}, path, sealer=sealer)
+    torch_save({k: v.cpu() for k, v in state_dict.items()}, path, sink=sink)
     return path
 
 
@@ -189,11 +181,11 @@ def save_gradients(model: nn.Module, path: Path) -> bool:
 
 
 def save_gradient_tensors(grads: Mapping[str, torch.Tensor], path: Path, *,
-                          sealer: sealing.Sealer | None = None) -> bool:
-    """Write ``name -> gradient`` tensors (CPU, contiguous) atomically; False when there are none."""
+                          sink: Sink = ATOMIC) -> bool:
+    """Write ``name -> gradient`` tensors (CPU, contiguous) through ``sink``; False when there are none."""
     if not grads:
         return False
-    write_file(path, _safetensors_write, dict(grads), sealer=sealer)
+    write_file(path, _safetensors_write, dict(grads), sink=sink)
     return True
 
 

@@ -8,10 +8,11 @@ and a load; the ``Accelerator`` only collects the objects and calls it.
 Save (every process): choose the folder (automatic naming continues after the highest checkpoint
 present), check and clear the staging folder ``<folder>.tmp`` on the main process, write into it (the
 strategy's model and optimizer files, then the files below), CRC-32 and fsync each file as it is
-written (the :class:`~hasten.checkpointing.sealing.Sealer` made for this save is handed to every
+written (the :class:`~hasten.checkpointing.sinks.SealedSink` made for this save is handed to every
 writer), then, once every process's files are durable, publish the folder atomically and prune to
-``total_limit``. With ``async_save`` the files are captured in host memory instead and
-:mod:`hasten.checkpointing.background` writes, seals and publishes them in a thread.
+``total_limit``. With ``async_save`` the writers are handed a
+:class:`~hasten.checkpointing.background.SnapshotSink` instead, which stages the states in host
+memory; :mod:`hasten.checkpointing.background` writes, seals and publishes them in a thread.
 
 Load (every process): find the folder, read and check everything first (the manifest's checksums,
 the strategy's ``check``, the files below, the process count, the random generator states); any
@@ -61,7 +62,7 @@ from hasten.checkpointing.publication import (
     raise_failure,
 )
 from hasten.checkpointing.rng import capture_rng_state, derive_rng_state, restore_rng_state
-from hasten.checkpointing.sealing import Sealer
+from hasten.checkpointing.sinks import SealedSink, Sink
 from hasten.checkpointing.transaction import Transaction
 from hasten.config.env import worker_group_restart
 from hasten.exceptions import CheckpointError
@@ -89,7 +90,7 @@ class ModelCheckpointing(Protocol):
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None: ...
+             sink: Sink, engine_kwargs: Mapping[str, Any] | None = None) -> None: ...
 
     def engine_checkpoint_kwargs(self, call: str, kwargs: Mapping[str, Any]) -> dict[str, Any]: ...
 
@@ -260,16 +261,16 @@ class CheckpointManager:
         if async_save:
             return self._save_in_background(objects, pub, weights, gradients, config, writer, safe_serialization,
                                             options)
-        sealer = Sealer(pub.staging)  # each file checksummed as written, fsync'ed in the background
+        sink = SealedSink(pub.staging)  # each file checksummed as written, fsync'ed in the background
 
         def write_and_seal() -> dict[str, tuple[int, str]]:
-            self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, sealer, options)
-            return sealer.finish()  # this process's files are durable before the others are told so
+            self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, sink, options)
+            return sink.finish()  # this process's files are durable before the others are told so
 
         try:
             publish_agreed(pub, write_and_seal, agree, _WHAT)
         finally:
-            sealer.close()
+            sink.close()
         config.iteration += 1
         return target
 
@@ -327,34 +328,34 @@ class CheckpointManager:
 
     def _write(self, objects: TrainingObjects, staging: Path, weights: list[dict[str, torch.Tensor]],
                gradients: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool,
-               sealer: Sealer | None, engine_kwargs: dict[str, Any]) -> None:
-        """This process's files (``sealer`` None: an asynchronous save captures them instead)."""
+               sink: Sink, engine_kwargs: dict[str, Any]) -> None:
+        """This process's files, through ``sink`` (sealed, or staged for an asynchronous save)."""
         self.models.save(objects.models, objects.raw_optimizers(), staging, weights=weights, writer=writer,
-                         safe_serialization=safe_serialization, sealer=sealer, engine_kwargs=engine_kwargs)
+                         safe_serialization=safe_serialization, sink=sink, engine_kwargs=engine_kwargs)
         if writer:
-            self._write_shared_files(objects, staging, sealer)
+            self._write_shared_files(objects, staging, sink)
         rng_file = staging / ckpt.RNG.format(rank=self.ranks.process_index)
-        ckpt.torch_save(capture_rng_state(objects.step), rng_file, sealer=sealer)
+        ckpt.torch_save(capture_rng_state(objects.step), rng_file, sink=sink)
         # Each process's own (they differ under no_sync), or the next optimizer step after resuming would differ.
         for i, grads in enumerate(gradients):
             if grads:
                 path = staging / ckpt.GRADIENTS.format(suffix=ckpt.suffix(i), rank=self.ranks.process_index)
-                ckpt.save_gradient_tensors(grads, path, sealer=sealer)
+                ckpt.save_gradient_tensors(grads, path, sink=sink)
 
     @staticmethod
-    def _write_shared_files(objects: TrainingObjects, folder: Path, sealer: Sealer | None) -> None:
+    def _write_shared_files(objects: TrainingObjects, folder: Path, sink: Sink) -> None:
         """What is not model or optimizer state (the strategy writes those): schedulers, loaders, scaler, objects."""
         for i, scheduler in enumerate(objects.schedulers):
-            ckpt.torch_save(scheduler.state_dict(), folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i)), sealer=sealer)
+            ckpt.torch_save(scheduler.state_dict(), folder / ckpt.SCHEDULER.format(suffix=ckpt.suffix(i)), sink=sink)
         for i, loader in enumerate(objects.dataloaders):
             if hasattr(loader, "state_dict"):
                 ckpt.torch_save(loader.state_dict(), folder / ckpt.DATALOADER.format(suffix=ckpt.suffix(i)),
-                                sealer=sealer)
+                                sink=sink)
         scaler_state = objects.scaler.state_dict() if objects.scaler is not None else None
         if scaler_state is not None:
-            ckpt.torch_save(scaler_state, folder / ckpt.SCALER, sealer=sealer)
+            ckpt.torch_save(scaler_state, folder / ckpt.SCALER, sink=sink)
         for i, obj in enumerate(objects.custom_objects):
-            ckpt.torch_save(obj.state_dict(), folder / ckpt.CUSTOM.format(index=i), sealer=sealer)
+            ckpt.torch_save(obj.state_dict(), folder / ckpt.CUSTOM.format(index=i), sink=sink)
 
     def _save_in_background(self, objects: TrainingObjects, pub: Publication, weights: list[dict[str, torch.Tensor]],
                             gradients: list[dict[str, torch.Tensor]], config: ProjectConfiguration, writer: bool,
@@ -364,9 +365,9 @@ class CheckpointManager:
                 background.Coordinator.create(self.ranks.num_processes, self.ranks.process_index))
         buffers = self.background.buffers
 
-        def capture() -> background.Snapshot:
-            with background.capture(pub.staging, buffers) as snapshot:
-                self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, None,
+        def capture() -> background.SnapshotSink:
+            with background.SnapshotSink(pub.staging, buffers).capturing() as snapshot:
+                self._write(objects, pub.staging, weights, gradients, writer, safe_serialization, snapshot,
                             engine_kwargs)
             return snapshot
 

@@ -72,7 +72,7 @@ def write_manifest(folder: Path, num_processes: int, sealed: dict[str, tuple[int
     """Checksum and fsync every file of ``folder`` (and its folders), then write the manifest last.
 
     ``sealed`` holds ``(size, crc32)`` of the files this process already checksummed and fsync'ed
-    while writing them (:mod:`hasten.checkpointing.sealing`); the others (other processes' files,
+    while writing them (:class:`hasten.checkpointing.sinks.SealedSink`); the others (other processes' files,
     DCP's) are read here.
     """
     sealed = sealed or {}

@@ -14,7 +14,7 @@ from torch import nn
 from hasten.base.dataclasses import DistributedType
 from hasten.base.imports import is_compiled_module
 from hasten.checkpointing import files as ckpt, restore_checks as checks
-from hasten.checkpointing.sealing import Sealer
+from hasten.checkpointing.sinks import Sink
 from hasten.environments import process_group
 from hasten.exceptions import ConfigurationError
 from hasten.precision import Precision
@@ -306,14 +306,15 @@ class Strategy:
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+             sink: Sink, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         """Write model and optimizer state into ``folder`` (every process calls it).
 
         Base: the process that writes the shared files (``writer``) saves ``model{_i}.safetensors``
         (or ``pytorch_model{_i}.bin``) from ``weights`` and ``optimizer{_i}.bin``. A state a pre-hook
         emptied is not written (the hook saved it). Files written through
-        :mod:`hasten.checkpointing.files` get ``sealer`` (the save's: each is checksummed and fsync'ed
-        as it is written); files an engine writes itself are checksummed when the save is published.
+        :mod:`hasten.checkpointing.files` go to ``sink``, the save's (:mod:`hasten.checkpointing.sinks`:
+        sealed as each is written, or staged for an asynchronous save); files an engine writes itself
+        are checksummed when the save is published.
         ``engine_kwargs``: what :meth:`engine_checkpoint_kwargs` accepted (base: none).
         """
         self.engine_checkpoint_kwargs("save_state", engine_kwargs or {})
@@ -321,10 +322,10 @@ class Strategy:
             return
         for i, state in enumerate(weights):
             if state:
-                ckpt.save_model_weights(state, folder, i, safe_serialization, sealer=sealer)
+                ckpt.save_model_weights(state, folder, i, safe_serialization, sink=sink)
         for i, optimizer in enumerate(optimizers):
             ckpt.torch_save(optimizer.state_dict(), folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)),
-                            sealer=sealer)
+                            sink=sink)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:

@@ -30,7 +30,7 @@ from hasten.base.deepspeed import DummyOptim, DummyScheduler
 from hasten.base.deepspeed_runtime import import_deepspeed, set_z3_leaf_modules_by_name, zero3_init_context
 from hasten.checkpointing import CheckpointError
 from hasten.checkpointing.safe_load import check_deepspeed_files
-from hasten.checkpointing.sealing import Sealer
+from hasten.checkpointing.sinks import Sink
 from hasten.config.plugins.deepspeed import DeepSpeedPlugin
 from hasten.environments import process_group
 from hasten.exceptions import ConfigurationError
@@ -315,11 +315,11 @@ class DeepSpeedStrategy(Strategy):
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+             sink: Sink, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         """``engine.save_checkpoint(folder, "pytorch_model", **engine_kwargs)`` on every process (frozen models
         are not saved).
 
-        The engine writes its files itself (``sealer`` is unused): they are checksummed when the save is published.
+        The engine writes its files itself (``sink`` is unused): they are checksummed when the save is published.
         """
         options = self.engine_checkpoint_kwargs("save_state", engine_kwargs or {})
         for tag, engine in self._engines(models):

@@ -26,7 +26,7 @@ from hasten._private_api import (
     set_pending_gradient,
 )
 from hasten.checkpointing import dcp as sharded, files as ckpt, safe_load
-from hasten.checkpointing.sealing import Sealer
+from hasten.checkpointing.sinks import Sink
 from hasten.config.parallelism import ParallelismConfig
 from hasten.config.plugins.fsdp import FullyShardedDataParallelPlugin
 from hasten.config.plugins.fsdp_units import (
@@ -293,25 +293,25 @@ class FSDP2Strategy(Strategy):
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+             sink: Sink, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         """SHARDED_STATE_DICT: DCP folders written by every rank; FULL_STATE_DICT: gathered files from rank 0."""
         self.engine_checkpoint_kwargs("save_state", engine_kwargs or {})
         inner_models = [unwrap_common(m) for m in models]
         for i, model in enumerate(inner_models):
             if self._sharded_format:
-                sharded.save_model(model, sharded.model_dir(folder, i))
+                sharded.save_model(model, sharded.model_dir(folder, i), sink=sink)
             else:
                 state = sharded.full_model_state(model) if is_fsdp2_module(model) else model.state_dict()
                 if dist.get_rank() == 0:
-                    ckpt.save_model_weights(state, folder, i, safe=True, sealer=sealer)
+                    ckpt.save_model_weights(state, folder, i, safe=True, sink=sink)
         for i, optimizer in enumerate(optimizers):
             owner = _owner(optimizer, inner_models)
             if self._sharded_format:
-                sharded.save_optimizer(owner, optimizer, sharded.optimizer_dir(folder, i))
+                sharded.save_optimizer(owner, optimizer, sharded.optimizer_dir(folder, i), sink=sink)
             else:
                 state = sharded.full_optimizer_state(owner, optimizer)
                 if dist.get_rank() == 0:
-                    ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), sealer=sealer)
+                    ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), sink=sink)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:

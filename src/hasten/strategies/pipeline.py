@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten.checkpointing import files as ckpt, restore_checks as checks
-from hasten.checkpointing.sealing import Sealer
+from hasten.checkpointing.sinks import Sink
 from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
@@ -381,7 +381,7 @@ class PipelineStrategy(Strategy):
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
-             sealer: Sealer | None = None, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+             sink: Sink, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         """The writer stores the full weights and the optimizers in the single-process format (no engine
         options: :meth:`engine_checkpoint_kwargs` refused any before the save started)."""
         stage = self.unwrap(models[0])
@@ -390,9 +390,9 @@ class PipelineStrategy(Strategy):
             return
         for i, state in enumerate(weights):
             if state:
-                ckpt.save_model_weights(state, folder, i, safe_serialization, sealer=sealer)
+                ckpt.save_model_weights(state, folder, i, safe_serialization, sink=sink)
         for i, state in enumerate(states):
-            ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), sealer=sealer)
+            ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), sink=sink)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:
