@@ -100,12 +100,47 @@ def test_release_forgets_the_location_tag_of_every_buffer_of_one_size():
     # A CUDA source's buffer is tagged with its device for torch.save; several buffers in use can share one size.
     # Every tag must go with its buffer: a stale one would label an unrelated pinned tensor that later gets the
     # same address (CUDA's host allocator reuses blocks) as "cuda:N" in its file.
-    from hasten.checkpointing import staging
-
     buffers = StagingBuffers()
     storages = [torch.empty(16, dtype=torch.uint8).untyped_storage() for _ in range(3)]
     buffers._used = [((16, True), s) for s in storages]
     for s in storages:
-        staging._LOCATIONS[s.data_ptr()] = "cuda:0"
+        buffers._locations[s.data_ptr()] = "cuda:0"
     buffers.release()
-    assert not any(s.data_ptr() in staging._LOCATIONS for s in storages)
+    assert not any(s.data_ptr() in buffers._locations for s in storages)
+
+
+def _saved_locations(tensor: torch.Tensor) -> list[str]:
+    """The location tags ``torch.save`` writes for ``tensor``'s storage (read back without moving it)."""
+    seen: list[str] = []
+
+    def record(storage, location):
+        seen.append(location)
+        return storage
+
+    torch.load(io.BytesIO(_bytes(tensor)), map_location=record, weights_only=True)
+    return seen
+
+
+def test_a_location_tag_applies_only_on_the_thread_writing_the_snapshot_while_it_writes():
+    # An asynchronous save tags the pinned copy of a CUDA storage "cuda:N" so that its file equals a synchronous
+    # save's. The tag must not leak: a torch.save elsewhere (the training thread, a later synchronous save of a
+    # tensor that gets the same host address) writes "cpu" for a CPU tensor. Pinned memory needs CUDA, so a CPU
+    # storage stands in for the buffer: the tagger only looks at the address.
+    import threading
+
+    from hasten.checkpointing import staging
+
+    staging._register_tagger()
+    buffers = StagingBuffers()
+    tensor = torch.arange(4.0)
+    buffers._locations[tensor.untyped_storage().data_ptr()] = "cuda:0"
+    assert _saved_locations(tensor) == ["cpu"]  # no snapshot being written: an ordinary file
+    inside: list[list[str]] = []
+    elsewhere: list[list[str]] = []
+    with buffers.tagging():
+        inside.append(_saved_locations(tensor))
+        other = threading.Thread(target=lambda: elsewhere.append(_saved_locations(tensor)))
+        other.start()
+        other.join(timeout=30)
+    assert inside == [["cuda:0"]] and elsewhere == [["cpu"]]
+    assert _saved_locations(tensor) == ["cpu"]  # after the snapshot's writes: nothing left behind

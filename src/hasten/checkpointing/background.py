@@ -129,17 +129,19 @@ class SnapshotSink:
         """
         sealed = SealedSink(self.folder)
         try:
-            while self.files:
-                path, write, staged = self.files.pop(0)  # the copy is dropped as soon as it is written
-                if staged is not _WRITTEN:
-                    try:
-                        write(staged, path)
-                    except Exception as exc:
-                        raise CheckpointError(f"writing {path} failed: {type(exc).__name__}: {exc}") from exc
-                del staged
-                sealed.seal(path)
-                if after_file is not None:
-                    after_file(path)
+            # the copies of CUDA storages name their device in these files (and only in these: this thread, now)
+            with self.buffers.tagging():
+                while self.files:
+                    path, write, staged = self.files.pop(0)  # the copy is dropped as soon as it is written
+                    if staged is not _WRITTEN:
+                        try:
+                            write(staged, path)
+                        except Exception as exc:
+                            raise CheckpointError(f"writing {path} failed: {type(exc).__name__}: {exc}") from exc
+                    del staged
+                    sealed.seal(path)
+                    if after_file is not None:
+                        after_file(path)
             try:
                 return sealed.finish()
             except OSError as exc:

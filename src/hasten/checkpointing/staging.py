@@ -28,23 +28,25 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-# data_ptr of a pinned buffer holding a CUDA storage's copy -> that storage's location tag ("cuda:0"),
-# so that torch.save writes the location a synchronous save of the CUDA tensors writes.
-_LOCATIONS: dict[int, str] = {}
-_LOCATIONS_LOCK = threading.Lock()
+# The location tags torch.save consults, set only on the thread that writes a snapshot's files and only
+# while it does (StagingBuffers.tagging): a save on any other thread, or any later one, never sees them.
+_WRITING = threading.local()
 _TAGGER_REGISTERED = False
 
 
 def _location_of_staged(storage: Any) -> str | None:
-    storage = getattr(storage, "_untyped_storage", storage)
-    if not _LOCATIONS or storage.device.type != "cpu":
+    locations: dict[int, str] | None = getattr(_WRITING, "locations", None)
+    if not locations:
         return None
-    with _LOCATIONS_LOCK:
-        return _LOCATIONS.get(storage.data_ptr())
+    storage = getattr(storage, "_untyped_storage", storage)
+    if storage.device.type != "cpu":
+        return None
+    return locations.get(storage.data_ptr())
 
 
 def _never_loads(storage: Any, location: str) -> None:
@@ -54,6 +56,7 @@ def _never_loads(storage: Any, location: str) -> None:
 def _register_tagger() -> None:
     global _TAGGER_REGISTERED
     if not _TAGGER_REGISTERED:
+        # torch has one process-wide list of taggers; this one answers only inside StagingBuffers.tagging().
         # priority 1: before torch's CPU tagger (10), which would call the pinned copy "cpu"
         torch.serialization.register_package(1, _location_of_staged, _never_loads)
         _TAGGER_REGISTERED = True
@@ -107,6 +110,20 @@ class StagingBuffers:
         # could otherwise hand its address to the next one, which would then get the first one's bytes.
         self._staged: dict[tuple[str, int, int], tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self._devices: set[torch.device] = set()
+        # data_ptr of a pinned buffer holding a CUDA storage's copy -> that storage's location tag ("cuda:0"),
+        # so that torch.save of the copy writes the location a synchronous save of the CUDA tensors writes.
+        self._locations: dict[int, str] = {}
+
+    @contextmanager
+    def tagging(self) -> Iterator[None]:
+        """While the block runs, ``torch.save`` on this thread names each CUDA source's device for its staged
+        copy (the background thread, writing the snapshot's files); nowhere else."""
+        previous = getattr(_WRITING, "locations", None)
+        _WRITING.locations = self._locations
+        try:
+            yield
+        finally:
+            _WRITING.locations = previous
 
     @property
     def nbytes(self) -> int:
@@ -186,11 +203,10 @@ class StagingBuffers:
             # torch.save of the copy names the device of the source, as a synchronous save's file does
             # (not for DCP's shards: tag False).
             _register_tagger()
-            with _LOCATIONS_LOCK:
-                if tag:
-                    _LOCATIONS[buffer.data_ptr()] = torch.serialization.location_tag(source)
-                else:
-                    _LOCATIONS.pop(buffer.data_ptr(), None)
+            if tag:
+                self._locations[buffer.data_ptr()] = torch.serialization.location_tag(source)
+            else:
+                self._locations.pop(buffer.data_ptr(), None)
             self._devices.add(source.device)
         buffer.copy_(source, non_blocking=pinned)
         self._used.append((key, buffer))
@@ -200,12 +216,10 @@ class StagingBuffers:
     def _free_pairs(self) -> list[tuple[_Key, torch.UntypedStorage]]:
         return [(key, storage) for key, storages in self._free.items() for storage in storages]
 
-    @staticmethod
-    def _drop(buffers: Iterable[tuple[_Key, torch.UntypedStorage]]) -> None:
+    def _drop(self, buffers: Iterable[tuple[_Key, torch.UntypedStorage]]) -> None:
         """Forget the location tags of these buffers (their memory goes when the last reference does)."""
-        with _LOCATIONS_LOCK:
-            for (_, pinned), storage in buffers:
-                if pinned:
-                    _LOCATIONS.pop(storage.data_ptr(), None)
+        for (_, pinned), storage in buffers:
+            if pinned:
+                self._locations.pop(storage.data_ptr(), None)
 
 __all__ = ["StagingBuffers"]
