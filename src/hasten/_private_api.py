@@ -198,6 +198,42 @@ def dtensor_propagation_in_own_fake_mode() -> Iterator[None]:
     finally:
         module.detect_fake_mode = original  # type: ignore[union-attr]
 
+@contextmanager
+def device_mesh_tensors_outside_fake_mode() -> Iterator[None]:
+    """While a plan runs, a ``DeviceMesh``'s own rank tensors (built in ``__init__``, read through its ``mesh``
+    property) are computed for real.
+
+    Why: FSDP2 over a tensor-parallel mesh builds new meshes inside ``fully_shard`` (``DeviceMesh._concatenate``),
+    which index the mesh's real rank tensor; under the plan's fake mode those ops refuse a real input. They
+    are a few integers (one per rank), computed the same way in a real run, so the plan stays exact. Falls
+    back to leaving torch as it is (tensor-parallel plans then fail with one line) when these moved.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    unset_fake = _import("torch._subclasses.fake_tensor", "unset_fake_temporarily", "hasten.plan_memory")
+    init, mesh = DeviceMesh.__dict__.get("__init__"), DeviceMesh.__dict__.get("mesh")
+    if not callable(init) or not isinstance(mesh, property) or mesh.fget is None:
+        yield
+        return
+    getter = mesh.fget
+
+    def init_for_real(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake():
+            init(self, *args, **kwargs)
+
+    def mesh_for_real(self: Any) -> Any:
+        with unset_fake():
+            return getter(self)
+
+    DeviceMesh.__init__ = init_for_real  # type: ignore[method-assign]
+    DeviceMesh.mesh = property(mesh_for_real)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__ = init  # type: ignore[method-assign]
+        DeviceMesh.mesh = mesh  # type: ignore[method-assign]
+
+
 # ---------------------------------------------------------------------------------------- torch core
 def to_call_device(*args: Any, **kwargs: Any) -> Any:
     """The device a ``Module.to(*args, **kwargs)`` call names (None for a dtype-only call): ``torch._C._nn._parse_to``.
@@ -273,7 +309,8 @@ PRIVATE_NAMES = ("_get_default_store", "_flatten(", "_set_unshard_async_op", "_g
                  "_subclasses", "_internal.distributed", "distributed._tools", "_sharding_prop")
 
 __all__ = ["CHECKED_TORCH", "PRIVATE_NAMES", "PrivateAPIError", "apply_activation_checkpointing", "clone_default_store",
-           "composable_checkpoint", "dtensor_propagation_in_own_fake_mode", "fake_process_group_store",
+           "composable_checkpoint", "device_mesh_tensors_outside_fake_mode", "dtensor_propagation_in_own_fake_mode",
+           "fake_process_group_store",
            "fake_tensor_mode", "fixture_argnames", "flatten_mesh", "fsdp_param_records", "has_unshard_async",
            "memory_tracker", "pending_gradient", "run_before_threads_join", "run_exit_functions",
            "set_pending_gradient", "set_rotate_method", "set_unshard_async", "to_call_device"]
