@@ -137,7 +137,8 @@ def _plan_llama(folder: str, world: int, layout: str):
 
 
 @pytest.mark.parametrize(("world", "layouts"), [(2, ["dp_shard=2", "tp=2"]),
-                                                (4, ["dp_replicate=2,dp_shard=2", "dp_shard=2,tp=2"])],
+                                                (4, ["dp_replicate=2,dp_shard=2", "dp_shard=2,tp=2",
+                                                     "dp_replicate=2,tp=2"])],
                          ids=["2-ranks", "4-ranks"])
 def test_llama_from_a_config_folder_matches_real_ranks(tmp_path, world, layouts):
     """FSDP2, tensor parallel on the model's own plan, HSDP on a 2-D mesh and FSDP2 + TP, each planned through
@@ -164,6 +165,11 @@ def test_tensor_parallel_splits_the_plan_as_it_splits_the_model(tmp_path):
     assert shard_tp.optimizer_state <= tp.optimizer_state / 2 + 1024
     assert hsdp.categories() == shard.categories()
     assert {m.name: m.parameter_bytes for m in tp.largest_modules}["lm_head"] == 256 * 64 * 4 // 2
+    # 2 key/value heads of 16 cannot be split 4 ways: the real run fails in forward, the plan says so in one line
+    from hasten.memory_plan import PlanError
+
+    with pytest.raises(PlanError, match="under layout 'tp=4' .*whether tp=4 splits every attention head whole"):
+        _plan_llama(folder, 4, "tp=4")
 
 
 def _measure_llama(folder: str, layouts: list[str]):
@@ -235,16 +241,29 @@ def test_text_plan_and_budget(capsys):
     out = capsys.readouterr().out
     assert "optimizer state" in out and "communication" in out and "peak" in out
     assert main([*TRAIN, "--num_processes", "2", "--budget", "20MiB"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if "peak" in line]
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "peak" in line]
     assert "DDP" in lines[0] and "does not fit" in lines[0]  # a full replica + buckets: ~23 MiB
     assert "not even batch size 1 fits" in lines[0]
     assert "dp_shard=2" in lines[2] and ", fits;" in lines[2]  # a sharded layout does
+    assert "tp=2 (tensor parallel): cannot be planned:" in out and "has no tensor-parallel plan" in out
     largest = int(lines[2].rsplit(":", 1)[1])
     # ground truth: the plan at that batch size fits the budget, one more sample does not
     planned = [plan_memory("torch.nn:Linear", model_kwargs={"in_features": 1000, "out_features": 1000},
                            batch_size=size, input_shape=(1000,), num_processes=2, layout="dp_shard=2",
                            reshard_after_forward=True).peak_bytes for size in (largest, largest + 1)]
     assert planned[0] <= 20 * 2**20 < planned[1]
+
+
+def test_budget_tries_hsdp_and_tensor_parallel_layouts_cheapest_communication_first():
+    from hasten.commands.estimate_train import candidate_layouts
+    from hasten.memory_plan import parse_layout
+
+    layouts = [layout for _, layout, _ in candidate_layouts(8)]
+    assert layouts == ["dp_replicate=8", "dp_replicate=4,dp_shard=2", "dp_replicate=2,dp_shard=4", "dp_shard=8",
+                       "dp_shard=8", "dp_shard=8", "dp_shard=4,tp=2", "dp_shard=2,tp=4", "tp=8"]
+    assert all(parse_layout(layout, 8).size == 8 for layout in layouts)
+    assert [layout for _, layout, _ in candidate_layouts(2)][-1] == "tp=2"
 
 
 def test_plan_largest_batch_size_is_the_boundary_of_the_plans():

@@ -110,6 +110,16 @@ def test_device_meshes_built_inside_a_plan_keep_real_rank_tensors():
                 DeviceMesh._concatenate([mesh["dp"], mesh["tp"]])
             with private.device_mesh_tensors_outside_fake_mode():
                 assert DeviceMesh._concatenate([mesh["dp"], mesh["tp"]]).mesh.tolist() == [[0, 1], [2, 3]]
+        # DTensor caches results by mesh shape, whatever its groups: a plan empties them between fake worlds
+        import importlib
+
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        transform_plans = importlib.import_module("torch.distributed.tensor._redistribute")._gen_transform_infos
+        distribute_tensor(torch.ones(4, 2), mesh["tp"], [Shard(0)]).full_tensor()
+        assert transform_plans.cache_info().currsize > 0
+        private.clear_dtensor_caches()
+        assert transform_plans.cache_info().currsize == 0
     finally:
         dist.destroy_process_group()
     assert DeviceMesh.__dict__["__init__"] is init and DeviceMesh.__dict__["mesh"] is mesh_property

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten._private_api import (
+    clear_dtensor_caches,
     composable_checkpoint,
     device_mesh_tensors_outside_fake_mode,
     dtensor_propagation_in_own_fake_mode,
@@ -128,11 +129,13 @@ def _fake_world(world_size: int) -> Iterator[None]:
         raise PlanError("plan_memory needs its own fake process group, but this process already runs one "
                         f"(world size {dist.get_world_size()}): plan before the run starts, or in another process "
                         "(`hasten estimate-memory --train ...`).")
+    clear_dtensor_caches()  # DTensor caches meshes by shape, not by group: nothing may outlive a world
     dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        clear_dtensor_caches()
 
 
 def _default_plugin(model: nn.Module, reshard_after_forward: bool | None,
@@ -211,9 +214,11 @@ def _run_step(model: nn.Module, layout: Layout, config: ParallelismConfig | None
     except PlanError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model that cannot run this batch: one line, not a traceback
-        raise PlanError(f"the planned step failed for batch {_shapes(spec)} ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''}); check the batch shape and the "
-                        "model's forward arguments.") from None
+        # A split the model's forward cannot follow (tp above its key/value heads) fails here too, as in a real run.
+        split = f", and whether tp={layout.tp} splits every attention head whole" if layout.tp > 1 else ""
+        raise PlanError(f"the planned step failed for batch {_shapes(spec)} under layout {layout.describe()!r} "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check the batch "
+                        f"shape and the model's forward arguments{split}.") from None
     finally:
         for handle in outputs.pop("__handles__", []):
             handle.remove()
