@@ -225,13 +225,12 @@ def device_mesh_tensors_outside_fake_mode() -> Iterator[None]:
         with unset_fake():
             return getter(self)
 
-    DeviceMesh.__init__ = init_for_real  # type: ignore[method-assign]
-    DeviceMesh.mesh = property(mesh_for_real)  # type: ignore[method-assign,assignment]
+    patched: Any = DeviceMesh  # the class itself, its methods replaced for the plan's duration
+    patched.__init__, patched.mesh = init_for_real, property(mesh_for_real)
     try:
         yield
     finally:
-        DeviceMesh.__init__ = init  # type: ignore[method-assign]
-        DeviceMesh.mesh = mesh  # type: ignore[method-assign]
+        patched.__init__, patched.mesh = init, mesh
 
 
 def clear_dtensor_caches() -> None:
@@ -247,8 +246,8 @@ def clear_dtensor_caches() -> None:
         clear = getattr(importlib.import_module(module), name, None)
         if callable(clear):
             clear()
-    transform_infos = getattr(importlib.import_module("torch.distributed.tensor._redistribute"),
-                              "_gen_transform_infos", None)
+    transform_infos: Any = getattr(importlib.import_module("torch.distributed.tensor._redistribute"),
+                                   "_gen_transform_infos", None)
     if hasattr(transform_infos, "cache_clear"):
         transform_infos.cache_clear()
 
