@@ -1,12 +1,14 @@
 """``plan_memory``: one training step of the prepared model, run on fake tensors in a fake process group.
 
 The model is built under torch's ``FakeTensorMode`` (shapes, no storage), prepared as hasten prepares it
-(FSDP2 through ``FSDP2Strategy``'s own unit selection, mixed-precision policy and ``fully_shard`` calls; one
-replica for DDP), and runs forward, backward and two optimizer steps inside torch's memory tracker
-(``MemTracker``, or ``FSDPMemTracker`` for FSDP2), which attributes every storage to a category. The
-process group is torch's ``"fake"`` backend over a ``FakeStore``: a world of any size exists in this one
-process and its collectives return at once, so rank 0 plans for every rank (FSDP2 pads shards to one size,
-DDP replicates: the ranks' plans are equal).
+(FSDP2 through ``FSDP2Strategy``'s own unit selection, mixed-precision policy and ``fully_shard`` calls;
+HSDP and tensor parallel through ``NDParallelStrategy`` on the ``DeviceMesh`` that ``ParallelismConfig``
+builds, its ``parallelize_module`` plan first; one replica for DDP), and runs forward, backward and two
+optimizer steps inside torch's memory tracker (``MemTracker``, or ``FSDPMemTracker`` when FSDP2 prepared the
+model), which attributes every storage to a category. The process group is torch's ``"fake"`` backend over
+a ``FakeStore``: a world of any size exists in this one process and its collectives return at once, so rank
+0 plans for every rank (FSDP2 pads shards to one size, tensor parallel splits evenly, DDP replicates: the
+ranks' plans are equal).
 
 DDP's own memory, its gradient buckets, is allocated by its C++ reducer, which cannot run on fake tensors:
 it is added from DDP's rule instead (one bucket copy of every trainable parameter's gradient, as
@@ -79,7 +81,9 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
         batch: one process's batch as a sample (a tensor or a dict of tensors; meta tensors are fine), or
             None with ``batch_size`` and ``seq_len`` (token ids) or ``input_shape`` (a float input).
         num_processes: the world size planned for (it need not exist here).
-        layout: ``'dp_replicate=N'`` (DDP, the default) or ``'dp_shard=N'`` (FSDP2), as ParallelismConfig sizes.
+        layout: ParallelismConfig sizes: ``'dp_replicate=N'`` (DDP, the default), ``'dp_shard=N'`` (FSDP2),
+            ``'dp_replicate=R,dp_shard=S'`` (HSDP), ``'tp=T'`` alone or with either (tensor parallel on the
+            model's plan: a transformers model's ``base_model_tp_plan``).
         optimizer: ``'adamw'``, ``'adam'``, ``'sgd'`` (with ``momentum``) or a callable ``params -> Optimizer``.
         mixed_precision: ``'no'`` or ``'bf16'`` (autocast; under FSDP2 also its bf16 parameter policy).
         device_type: the device the run will use; it picks torch's optimizer implementation (multi-tensor on
