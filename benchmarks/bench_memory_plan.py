@@ -8,6 +8,7 @@ peak; then the median and largest error.
 
     python benchmarks/bench_memory_plan.py            # every case (a few minutes on 2 cores)
     python benchmarks/bench_memory_plan.py --quick    # 1 and 2 ranks, tiny models only
+    python benchmarks/bench_memory_plan.py --n-dimensional   # only HSDP and tensor parallel (2 and 4 ranks)
 
 What "measured" means: the bytes of live tensor storages, as torch's tracker counts them on CPU. It does
 not see the allocator's rounding and caching on a GPU, the CUDA context or NCCL's own buffers: leave a
@@ -63,19 +64,37 @@ LLAMAS = {"llama-0.1M": dict(hidden_size=64, intermediate_size=128, num_hidden_l
                            num_key_value_heads=4, vocab_size=8192)}
 
 
-def _cases(world: int, quick: bool) -> list[tuple[str, str | None, str, str, dict[str, Any]]]:
-    """(model, layout, mixed precision, optimizer, FSDP2 options) for ``world`` processes."""
+def _cases(world: int, quick: bool, n_dimensional: bool = False) -> list[tuple[str, str | None, str, str, dict[str, Any]]]:
+    """(model, layout, mixed precision, optimizer, FSDP2 options) for ``world`` processes; with ``n_dimensional``
+    only the HSDP and tensor-parallel ones."""
     models = ["mlp", "llama-0.1M"] if quick else ["mlp", "llama-0.1M", "llama-9M"]
     cases: list[tuple[str, str | None, str, str, dict[str, Any]]] = []
     for model in models:
         if world == 1:
-            cases += [(model, None, "no", "adamw", {}), (model, None, "bf16", "sgd", {})]
+            cases += [] if n_dimensional else [(model, None, "no", "adamw", {}), (model, None, "bf16", "sgd", {})]
             continue
         ddp, shard = f"dp_replicate={world}", f"dp_shard={world}"
-        cases += [(model, ddp, "no", "adamw", {}), (model, ddp, "bf16", "sgd", {}),
-                  (model, shard, "no", "adamw", {}), (model, shard, "bf16", "adamw", {}),
-                  (model, shard, "bf16", "sgd", {"reshard_after_forward": False}),
-                  (model, shard, "bf16", "adamw", {"activation_checkpointing": True})]
+        if not n_dimensional:
+            cases += [(model, ddp, "no", "adamw", {}), (model, ddp, "bf16", "sgd", {}),
+                      (model, shard, "no", "adamw", {}), (model, shard, "bf16", "adamw", {}),
+                      (model, shard, "bf16", "sgd", {"reshard_after_forward": False}),
+                      (model, shard, "bf16", "adamw", {"activation_checkpointing": True})]
+        cases += _n_dimensional_cases(model, world)
+    return cases
+
+
+def _n_dimensional_cases(model: str, world: int) -> list[tuple[str, str | None, str, str, dict[str, Any]]]:
+    """HSDP on 4 ranks (a 2-D mesh); tensor parallel on the Llamas' own plan: tp=2 on 2 ranks, FSDP2 + TP and
+    DDP + TP on 4."""
+    tensor_parallel = model != "mlp"  # the MLP has no tensor-parallel plan
+    if world == 2:
+        return [(model, "tp=2", "bf16", "adamw", {}), (model, "tp=2", "no", "sgd", {})] if tensor_parallel else []
+    hsdp = "dp_replicate=2,dp_shard=2"
+    cases: list[tuple[str, str | None, str, str, dict[str, Any]]] = [
+        (model, hsdp, "no", "adamw", {}), (model, hsdp, "bf16", "sgd", {"reshard_after_forward": False})]
+    if tensor_parallel:
+        cases += [(model, "dp_shard=2,tp=2", "bf16", "adamw", {}), (model, "dp_shard=2,tp=2", "no", "sgd", {}),
+                  (model, "dp_replicate=2,tp=2", "bf16", "adamw", {})]
     return cases
 
 
@@ -95,7 +114,7 @@ def _batch(model: str) -> dict[str, torch.Tensor]:
 
 
 def _measure(cases: list, folder: str) -> list:
-    from hasten import Accelerator, FullyShardedDataParallelPlugin
+    from hasten import Accelerator, FullyShardedDataParallelPlugin, ParallelismConfig
     from hasten.memory_plan.inputs import make_optimizer_factory
     from hasten.memory_plan.measure import measure_step_memory
     from hasten.state import reset_state
@@ -103,10 +122,13 @@ def _measure(cases: list, folder: str) -> list:
     results = []
     for model, layout, precision, optimizer, options in cases:
         reset_state()
-        plugin = None
-        if layout and layout.startswith("dp_shard"):
+        plugin, config = None, None
+        if layout and ("dp_shard" in layout or "tp" in layout):
             plugin = FullyShardedDataParallelPlugin(auto_wrap_policy="transformer_based_wrap", **options)
-        accelerator = Accelerator(mixed_precision=precision, fsdp_plugin=plugin)
+        if layout and ("tp" in layout or "," in layout):  # HSDP and TP: the N-D strategy on the layout's mesh
+            sizes = dict(part.split("=") for part in layout.split(","))
+            config = ParallelismConfig(**{f"{key}_size": int(value) for key, value in sizes.items()})
+        accelerator = Accelerator(mixed_precision=precision, fsdp_plugin=plugin, parallelism_config=config)
         _, make = make_optimizer_factory(optimizer, foreach=False)
         results.append(measure_step_memory(accelerator, _build(model, folder), make, _batch(model)))
     return results
@@ -124,17 +146,20 @@ def _plan(case: tuple, world: int, folder: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, the two tiny models")
+    parser.add_argument("--n-dimensional", action="store_true", help="only the HSDP and tensor-parallel cases")
     args = parser.parse_args(argv)
     import transformers
 
     errors, wrong_answers = [], 0
-    print(f"{'model':11} {'ranks':>5} {'layout':15} {'precision':9} {'optimizer':9} {'options':26} "
+    print(f"{'model':11} {'ranks':>5} {'layout':25} {'precision':9} {'optimizer':9} {'options':26} "
           f"{'planned':>11} {'measured':>11} {'error':>7}  fits@+15%/-15%")
     with tempfile.TemporaryDirectory() as folder:
         for name, sizes in LLAMAS.items():
             transformers.LlamaConfig(**sizes, architectures=["LlamaForCausalLM"]).save_pretrained(f"{folder}/{name}")
         for world in ((1, 2) if args.quick else (1, 2, 4)):
-            cases = _cases(world, args.quick)
+            cases = _cases(world, args.quick, args.n_dimensional)
+            if not cases:
+                continue
             measured = run_on_ranks(_measure, world_size=world, args=(cases, folder), timeout=1800)
             for index, case in enumerate(cases):
                 plan = _plan(case, world, folder)
@@ -144,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 wrong_answers += answers.count(False)
                 errors.append(abs(error))
                 options = ",".join(f"{k}={v}" for k, v in case[4].items()) or "-"
-                print(f"{case[0]:11} {world:5} {case[1] or 'single':15} {case[2]:9} {case[3]:9} {options:26} "
+                print(f"{case[0]:11} {world:5} {case[1] or 'single':25} {case[2]:9} {case[3]:9} {options:26} "
                       f"{format_bytes(plan.peak_bytes):>11} {format_bytes(real):>11} {error:+7.2%}  "
                       f"{'right' if all(answers) else 'WRONG'}")
     print(f"{len(errors)} cases: median |error| {statistics.median(errors):.2%}, largest {max(errors):.2%}, "

@@ -93,3 +93,33 @@ def test_memory_planning_internals():
         with private.dtensor_propagation_in_own_fake_mode():
             assert propagation.detect_fake_mode() is None
     assert propagation.detect_fake_mode is original
+
+
+def test_device_meshes_built_inside_a_plan_keep_real_rank_tensors():
+    """FSDP2 over a tensor-parallel mesh concatenates meshes inside ``fully_shard``; under a fake mode that
+    fails on the mesh's real rank tensor unless the plan's context computes it for real."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    init, mesh_property = DeviceMesh.__dict__["__init__"], DeviceMesh.__dict__["mesh"]
+    dist.init_process_group("fake", store=private.fake_process_group_store(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with private.fake_tensor_mode():
+            with pytest.raises(AssertionError, match="FakeTensors"):
+                DeviceMesh._concatenate([mesh["dp"], mesh["tp"]])
+            with private.device_mesh_tensors_outside_fake_mode():
+                assert DeviceMesh._concatenate([mesh["dp"], mesh["tp"]]).mesh.tolist() == [[0, 1], [2, 3]]
+        # DTensor caches results by mesh shape, whatever its groups: a plan empties them between fake worlds
+        import importlib
+
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        transform_plans = importlib.import_module("torch.distributed.tensor._redistribute")._gen_transform_infos
+        distribute_tensor(torch.ones(4, 2), mesh["tp"], [Shard(0)]).full_tensor()
+        assert transform_plans.cache_info().currsize > 0
+        private.clear_dtensor_caches()
+        assert transform_plans.cache_info().currsize == 0
+    finally:
+        dist.destroy_process_group()
+    assert DeviceMesh.__dict__["__init__"] is init and DeviceMesh.__dict__["mesh"] is mesh_property

@@ -198,6 +198,60 @@ def dtensor_propagation_in_own_fake_mode() -> Iterator[None]:
     finally:
         module.detect_fake_mode = original  # type: ignore[union-attr]
 
+@contextmanager
+def device_mesh_tensors_outside_fake_mode() -> Iterator[None]:
+    """While a plan runs, a ``DeviceMesh``'s own rank tensors (built in ``__init__``, read through its ``mesh``
+    property) are computed for real.
+
+    Why: FSDP2 over a tensor-parallel mesh builds new meshes inside ``fully_shard`` (``DeviceMesh._concatenate``),
+    which index the mesh's real rank tensor; under the plan's fake mode those ops refuse a real input. They
+    are a few integers (one per rank), computed the same way in a real run, so the plan stays exact. Falls
+    back to leaving torch as it is (tensor-parallel plans then fail with one line) when these moved.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    unset_fake = _import("torch._subclasses.fake_tensor", "unset_fake_temporarily", "hasten.plan_memory")
+    init, mesh = DeviceMesh.__dict__.get("__init__"), DeviceMesh.__dict__.get("mesh")
+    if not callable(init) or not isinstance(mesh, property) or mesh.fget is None:
+        yield
+        return
+    getter = mesh.fget
+
+    def init_for_real(self: Any, *args: Any, **kwargs: Any) -> None:
+        with unset_fake():
+            init(self, *args, **kwargs)
+
+    def mesh_for_real(self: Any) -> Any:
+        with unset_fake():
+            return getter(self)
+
+    patched: Any = DeviceMesh  # the class itself, its methods replaced for the plan's duration
+    patched.__init__, patched.mesh = init_for_real, property(mesh_for_real)
+    try:
+        yield
+    finally:
+        patched.__init__, patched.mesh = init, mesh
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's caches of sharding propagation and redistribution plans (a plan's fake world is new).
+
+    Why: those caches are keyed by ``DeviceMesh``, whose equality ignores its process groups; each plan starts a
+    new fake process group whose groups reuse the previous plan's names for other ranks, so a cached result
+    holding the previous plan's mesh would run its collectives on the wrong group (a tensor-parallel plan after
+    another plan failed with a wrong all-gather size). Falls back to clearing what is still there.
+    """
+    for module, name in (("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+                         ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache")):
+        clear = getattr(importlib.import_module(module), name, None)
+        if callable(clear):
+            clear()
+    transform_infos: Any = getattr(importlib.import_module("torch.distributed.tensor._redistribute"),
+                                   "_gen_transform_infos", None)
+    if hasattr(transform_infos, "cache_clear"):
+        transform_infos.cache_clear()
+
+
 # ---------------------------------------------------------------------------------------- torch core
 def to_call_device(*args: Any, **kwargs: Any) -> Any:
     """The device a ``Module.to(*args, **kwargs)`` call names (None for a dtype-only call): ``torch._C._nn._parse_to``.
@@ -270,10 +324,13 @@ def fixture_argnames(item: Any) -> tuple[str, ...]:
 PRIVATE_NAMES = ("_get_default_store", "_flatten(", "_set_unshard_async_op", "_get_fsdp_state", "_fsdp_param_group",
                  "_unsharded_", "unsharded_accumulated_grad", "distributed._composable", "algorithms._checkpoint",
                  "experimental._attention", "_parse_to", "_run_exitfuncs", "_register_atexit", "_fixtureinfo",
-                 "_subclasses", "_internal.distributed", "distributed._tools", "_sharding_prop")
+                 "_subclasses", "_internal.distributed", "distributed._tools", "_sharding_prop",
+                 "_clear_sharding_prop_cache", "tensor._redistribute")
 
-__all__ = ["CHECKED_TORCH", "PRIVATE_NAMES", "PrivateAPIError", "apply_activation_checkpointing", "clone_default_store",
-           "composable_checkpoint", "dtensor_propagation_in_own_fake_mode", "fake_process_group_store",
+__all__ = ["CHECKED_TORCH", "PRIVATE_NAMES", "PrivateAPIError", "apply_activation_checkpointing", "clear_dtensor_caches",
+           "clone_default_store",
+           "composable_checkpoint", "device_mesh_tensors_outside_fake_mode", "dtensor_propagation_in_own_fake_mode",
+           "fake_process_group_store",
            "fake_tensor_mode", "fixture_argnames", "flatten_mesh", "fsdp_param_records", "has_unshard_async",
            "memory_tracker", "pending_gradient", "run_before_threads_join", "run_exit_functions",
            "set_pending_gradient", "set_rotate_method", "set_unshard_async", "to_call_device"]

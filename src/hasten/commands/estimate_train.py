@@ -33,7 +33,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--input_shape", "--input-shape", default=None,
                        help="shape of one float sample, e.g. '3,224,224' (instead of --seq_len)")
     group.add_argument("--num_processes", "--num-processes", type=int, default=1, help="the world size to plan for")
-    group.add_argument("--layout", default=None, help="'dp_replicate=N' (DDP, default) or 'dp_shard=N' (FSDP2)")
+    group.add_argument("--layout", default=None, help="ParallelismConfig sizes: 'dp_replicate=N' (DDP, default), 'dp_shard=N' (FSDP2), "
+                       "'dp_replicate=R,dp_shard=S' (HSDP), 'tp=T' or 'dp_shard=S,tp=T' (tensor parallel)")
     group.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd (default adamw)")
     group.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
     group.add_argument("--mixed_precision", "--mixed-precision", default="no", help="no or bf16")
@@ -107,20 +108,29 @@ def _plan(model: str, options: dict[str, Any], layout: str | None) -> Any:
 def candidate_layouts(num_processes: int) -> list[tuple[str, str | None, dict[str, Any]]]:
     """Layouts to try for ``--budget``, cheapest communication first: ``(label, layout, plugin settings)``.
 
-    Per step and process, DDP all-reduces the gradients (~2x their bytes); FSDP2 that keeps parameters
-    gathered after forward all-gathers them once and reduce-scatters gradients (about the same volume, less
-    overlap); resharding after forward all-gathers them a second time in backward (~3x); activation
-    checkpointing adds a second forward's compute on top.
+    Per step and process, DDP all-reduces the gradients (~2x their bytes). HSDP (``dp_replicate=R,dp_shard=S``)
+    moves about as much as FSDP2 in all, but only a 1/S shard of the gradients crosses between replicas (the
+    slow link across machines), so more replicas come first. FSDP2 that keeps parameters gathered after forward
+    all-gathers them once and reduce-scatters gradients (about DDP's volume, less overlap); resharding after
+    forward all-gathers them a second time in backward (~3x); activation checkpointing adds a second forward's
+    compute on top. Tensor parallel (``tp=T``, up to 8, one machine's GPUs) all-reduces activations in every
+    layer, forward and backward: the most traffic, and it needs the fastest link.
     """
+    plain = {"reshard_after_forward": None, "activation_checkpointing": False}
     if num_processes == 1:
-        return [("single process", None, {"reshard_after_forward": None, "activation_checkpointing": False})]
+        return [("single process", None, plain)]
     shard = f"dp_shard={num_processes}"
-    replicated = {"reshard_after_forward": None, "activation_checkpointing": False}
-    return [(f"dp_replicate={num_processes} (DDP)", f"dp_replicate={num_processes}", replicated),
+    hsdp = [(f"dp_replicate={r},dp_shard={num_processes // r} (HSDP)", f"dp_replicate={r},dp_shard={num_processes // r}",
+             plain) for r in range(num_processes - 1, 1, -1) if num_processes % r == 0]
+    tensor_parallel = [(f"dp_shard={num_processes // t},tp={t} (FSDP2 + tensor parallel)" if t < num_processes
+                        else f"tp={t} (tensor parallel)",
+                        f"dp_shard={num_processes // t},tp={t}" if t < num_processes else f"tp={t}", plain)
+                       for t in (2, 4, 8) if t <= num_processes and num_processes % t == 0]
+    return [(f"dp_replicate={num_processes} (DDP)", f"dp_replicate={num_processes}", plain), *hsdp,
             (f"{shard} (FSDP2, keep gathered after forward)", shard, {"reshard_after_forward": False}),
             (f"{shard} (FSDP2, reshard after forward)", shard, {"reshard_after_forward": True}),
             (f"{shard} (FSDP2, reshard + activation checkpointing)", shard,
-             {"reshard_after_forward": True, "activation_checkpointing": True})]
+             {"reshard_after_forward": True, "activation_checkpointing": True}), *tensor_parallel]
 
 
 def _layout_row(args: argparse.Namespace, options: dict[str, Any], layout: str | None, label: str,
@@ -141,20 +151,29 @@ def _layout_row(args: argparse.Namespace, options: dict[str, Any], layout: str |
 
 
 def _print_fitting(args: argparse.Namespace, options: dict[str, Any], budget: int) -> int:
-    from hasten.memory_plan import format_bytes
+    from hasten.memory_plan import PlanError, format_bytes
 
-    rows = [_layout_row(args, {**options, **settings}, layout, label, budget)
-            for label, layout, settings in candidate_layouts(args.num_processes)]
+    rows = []
+    for index, (label, layout, settings) in enumerate(candidate_layouts(args.num_processes)):
+        try:
+            rows.append(_layout_row(args, {**options, **settings}, layout, label, budget))
+        except PlanError as exc:
+            if index == 0:  # the first layout fails on what every layout shares (the model, the batch): exit 2
+                raise
+            rows.append({"layout": label, "error": str(exc).splitlines()[0]})  # e.g. a model without a TP plan
     if args.json:
         print(json.dumps({"budget_bytes": budget, "batch_size": args.batch_size, "layouts": rows}))
         return 0
     print(f"Layouts for {args.num_processes} process(es) within {format_bytes(budget)} per process "
           f"(cheapest communication first), at batch size {args.batch_size} per process:")
     for row in rows:
+        if "error" in row:
+            print(f"  {row['layout']}: cannot be planned: {row['error']}")
+            continue
         mark = "fits" if row["fits"] else "does not fit"
         largest = row["largest_batch_size"]
         print(f"  {row['layout']}: peak {format_bytes(row['peak_bytes'])} per process, {mark}; "
               + (f"largest batch size that fits: {largest}" if largest else "not even batch size 1 fits"))
-    if not any(row["largest_batch_size"] for row in rows):
+    if not any(row.get("largest_batch_size") for row in rows):
         print("  none fits: lower --seq_len, add processes, or use bf16 mixed precision.")
     return 0

@@ -31,20 +31,34 @@ class PlanError(ConfigurationError):
 
 @dataclass(frozen=True)
 class Layout:
-    """How the processes of a plan are arranged: ``dp_replicate`` copies, each sharded over ``dp_shard``."""
+    """How the processes of a plan are arranged: ``dp_replicate`` copies, each sharded over ``dp_shard``,
+    each of those ranks split ``tp`` ways by tensor parallelism (ParallelismConfig's sizes)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    tp: int = 1
 
     @property
     def sharded(self) -> bool:
-        """True when parameters are sharded (FSDP2), False for replication (DDP) or one process."""
-        return self.dp_shard > 1
+        """True when FSDP2 prepares the model (``dp_shard > 1``, or tensor parallel, which hasten runs under
+        ``fully_shard`` too); False for replication (DDP) or one process."""
+        return self.dp_shard > 1 or self.tp > 1
+
+    @property
+    def n_dimensional(self) -> bool:
+        """True when a real run takes hasten's N-D strategy on a multi-dimensional mesh: HSDP
+        (``dp_replicate`` x ``dp_shard``) or anything with tensor parallel."""
+        return self.tp > 1 or (self.dp_replicate > 1 and self.dp_shard > 1)
+
+    @property
+    def size(self) -> int:
+        """The processes this layout covers."""
+        return self.dp_replicate * self.dp_shard * self.tp
 
     def describe(self) -> str:
-        """``'dp_shard=4'``, ``'dp_replicate=2'``, ``'single process'``."""
-        parts = [f"{k}={v}" for k, v in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)) if v > 1]
-        return ",".join(parts) or "single process"
+        """``'dp_shard=4'``, ``'dp_replicate=2,dp_shard=2'``, ``'dp_shard=2,tp=2'``, ``'single process'``."""
+        sizes = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
+        return ",".join(f"{k}={v}" for k, v in sizes if v > 1) or "single process"
 
 
 def parse_layout(text: str | Mapping[str, int] | None, num_processes: int) -> Layout:
@@ -54,22 +68,21 @@ def parse_layout(text: str | Mapping[str, int] | None, num_processes: int) -> La
 
     Raises:
         PlanError: an unknown key, a size that is not a positive integer, sizes whose product is not
-            ``num_processes``, or a layout hasten cannot plan yet (tensor/context parallel, ZeRO, HSDP).
+            ``num_processes``, or a layout hasten cannot plan yet (context parallel, DeepSpeed ZeRO).
     """
     if num_processes < 1:
         raise PlanError(f"num_processes={num_processes} must be at least 1.")
     sizes = _layout_sizes(text) if text else {"dp_replicate": num_processes}
-    unplannable = {k: v for k, v in sizes.items() if k in ("tp", "cp", "zero") and v > (0 if k == "zero" else 1)}
-    if sizes.get("dp_replicate", 1) > 1 and sizes.get("dp_shard", 1) > 1:
-        unplannable.update(dp_replicate=sizes["dp_replicate"], dp_shard=sizes["dp_shard"])
+    unplannable = {k: v for k, v in sizes.items() if k in ("cp", "zero") and v > (0 if k == "zero" else 1)}
     if unplannable:
         named = ",".join(f"{k}={v}" for k, v in unplannable.items())
-        raise PlanError(f"layout {named!r} cannot be planned yet: hasten plans replicated (dp_replicate=N, DDP) and "
-                        "sharded (dp_shard=N, FSDP2) layouts; tensor/context parallel, HSDP and DeepSpeed ZeRO plans "
-                        "are not implemented.")
-    layout = Layout(dp_replicate=sizes.get("dp_replicate", 1), dp_shard=sizes.get("dp_shard", 1))
-    if layout.dp_replicate * layout.dp_shard != num_processes:
-        raise PlanError(f"layout {layout.describe()!r} covers {layout.dp_replicate * layout.dp_shard} process(es), "
+        raise PlanError(f"layout {named!r} cannot be planned yet: hasten plans DDP (dp_replicate=N), FSDP2 "
+                        "(dp_shard=N), HSDP (dp_replicate=R,dp_shard=S) and tensor parallel (tp=T, alone or with "
+                        "them); context parallel and DeepSpeed ZeRO plans are not implemented.")
+    layout = Layout(dp_replicate=sizes.get("dp_replicate", 1), dp_shard=sizes.get("dp_shard", 1),
+                    tp=sizes.get("tp", 1))
+    if layout.size != num_processes:
+        raise PlanError(f"layout {layout.describe()!r} covers {layout.size} process(es), "
                         f"not --num_processes {num_processes}: make the sizes multiply to {num_processes} "
                         f"(e.g. dp_shard={num_processes}).")
     return layout

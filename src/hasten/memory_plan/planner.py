@@ -1,12 +1,14 @@
 """``plan_memory``: one training step of the prepared model, run on fake tensors in a fake process group.
 
 The model is built under torch's ``FakeTensorMode`` (shapes, no storage), prepared as hasten prepares it
-(FSDP2 through ``FSDP2Strategy``'s own unit selection, mixed-precision policy and ``fully_shard`` calls; one
-replica for DDP), and runs forward, backward and two optimizer steps inside torch's memory tracker
-(``MemTracker``, or ``FSDPMemTracker`` for FSDP2), which attributes every storage to a category. The
-process group is torch's ``"fake"`` backend over a ``FakeStore``: a world of any size exists in this one
-process and its collectives return at once, so rank 0 plans for every rank (FSDP2 pads shards to one size,
-DDP replicates: the ranks' plans are equal).
+(FSDP2 through ``FSDP2Strategy``'s own unit selection, mixed-precision policy and ``fully_shard`` calls;
+HSDP and tensor parallel through ``NDParallelStrategy`` on the ``DeviceMesh`` that ``ParallelismConfig``
+builds, its ``parallelize_module`` plan first; one replica for DDP), and runs forward, backward and two
+optimizer steps inside torch's memory tracker (``MemTracker``, or ``FSDPMemTracker`` when FSDP2 prepared the
+model), which attributes every storage to a category. The process group is torch's ``"fake"`` backend over
+a ``FakeStore``: a world of any size exists in this one process and its collectives return at once, so rank
+0 plans for every rank (FSDP2 pads shards to one size, tensor parallel splits evenly, DDP replicates: the
+ranks' plans are equal).
 
 DDP's own memory, its gradient buckets, is allocated by its C++ reducer, which cannot run on fake tensors:
 it is added from DDP's rule instead (one bucket copy of every trainable parameter's gradient, as
@@ -25,7 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten._private_api import (
+    clear_dtensor_caches,
     composable_checkpoint,
+    device_mesh_tensors_outside_fake_mode,
     dtensor_propagation_in_own_fake_mode,
     fake_process_group_store,
     fake_tensor_mode,
@@ -40,6 +44,7 @@ from hasten.config.plugins.fsdp_units import (
     ignored_module_list,
     select_units,
 )
+from hasten.exceptions import ConfigurationError
 from hasten.memory_plan.inputs import (
     MIXED_PRECISIONS,
     Layout,
@@ -53,6 +58,7 @@ from hasten.memory_plan.result import MemoryPlan, ModuleMemory, ProcessPlan, cat
 from hasten.precision import create_precision
 from hasten.strategies.fsdp2 import FSDP2Strategy
 from hasten.strategies.fsdp2_gloo import tune_for_gloo
+from hasten.strategies.nd import NDParallelStrategy
 
 #: Optimizer steps in a plan: the first creates the optimizer state, the second runs with it in place.
 PLANNED_STEPS = 2
@@ -75,7 +81,9 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
         batch: one process's batch as a sample (a tensor or a dict of tensors; meta tensors are fine), or
             None with ``batch_size`` and ``seq_len`` (token ids) or ``input_shape`` (a float input).
         num_processes: the world size planned for (it need not exist here).
-        layout: ``'dp_replicate=N'`` (DDP, the default) or ``'dp_shard=N'`` (FSDP2), as ParallelismConfig sizes.
+        layout: ParallelismConfig sizes: ``'dp_replicate=N'`` (DDP, the default), ``'dp_shard=N'`` (FSDP2),
+            ``'dp_replicate=R,dp_shard=S'`` (HSDP), ``'tp=T'`` alone or with either (tensor parallel on the
+            model's plan: a transformers model's ``base_model_tp_plan``).
         optimizer: ``'adamw'``, ``'adam'``, ``'sgd'`` (with ``momentum``) or a callable ``params -> Optimizer``.
         mixed_precision: ``'no'`` or ``'bf16'`` (autocast; under FSDP2 also its bf16 parameter policy).
         device_type: the device the run will use; it picks torch's optimizer implementation (multi-tensor on
@@ -103,15 +111,15 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
         raise PlanError(f"device_type {device_type!r} cannot be planned: use 'cuda' or 'cpu'.")
     if not parsed.sharded and (fsdp_plugin is not None or activation_checkpointing or reshard_after_forward is not None):
         raise PlanError(f"FSDP2 settings (activation checkpointing, reshard_after_forward, fsdp_plugin) need a sharded "
-                        f"layout, not {parsed.describe()!r}: use layout='dp_shard={num_processes}'.")
+                        f"layout (dp_shard or tp), not {parsed.describe()!r}: use layout='dp_shard={num_processes}'.")
     label, make_optimizer = make_optimizer_factory(optimizer, momentum=momentum, foreach=device_type == "cuda")
     spec = batch_spec(batch, batch_size, seq_len, input_shape)
     with _fake_world(num_processes):
-        mesh = ParallelismConfig(dp_shard_size=parsed.dp_shard).build_device_mesh("cpu") if parsed.sharded else None
-        with fake_tensor_mode(), dtensor_propagation_in_own_fake_mode():
+        config = _mesh_config(parsed) if parsed.sharded else None
+        with fake_tensor_mode(), dtensor_propagation_in_own_fake_mode(), device_mesh_tensors_outside_fake_mode():
             built, model_label = build_model(model, model_kwargs)
             plugin = fsdp_plugin or _default_plugin(built, reshard_after_forward, activation_checkpointing)
-            process = _run_step(built, parsed, mesh, spec, make_optimizer, mixed_precision, device_type,
+            process = _run_step(built, parsed, config, spec, make_optimizer, mixed_precision, device_type,
                                 plugin, loss_fn, top_modules)
     return MemoryPlan(model=model_label, layout=parsed.describe(), num_processes=num_processes, optimizer=label,
                       mixed_precision=mixed_precision, batch={k: list(shape) for k, (shape, _) in spec.items()},
@@ -125,11 +133,13 @@ def _fake_world(world_size: int) -> Iterator[None]:
         raise PlanError("plan_memory needs its own fake process group, but this process already runs one "
                         f"(world size {dist.get_world_size()}): plan before the run starts, or in another process "
                         "(`hasten estimate-memory --train ...`).")
+    clear_dtensor_caches()  # DTensor caches meshes by shape, not by group: nothing may outlive a world
     dist.init_process_group("fake", store=fake_process_group_store(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        clear_dtensor_caches()
 
 
 def _default_plugin(model: nn.Module, reshard_after_forward: bool | None,
@@ -140,18 +150,38 @@ def _default_plugin(model: nn.Module, reshard_after_forward: bool | None,
                                           activation_checkpointing=activation_checkpointing)
 
 
-def _prepare(model: nn.Module, layout: Layout, mesh: Any, mixed_precision: str, device_type: str,
-             plugin: FullyShardedDataParallelPlugin) -> nn.Module:
-    """``model`` with this run's precision and, when sharded, FSDP2's units as hasten's strategy shards them."""
+def _mesh_config(layout: Layout) -> ParallelismConfig:
+    """The layout's ``ParallelismConfig`` holding its ``DeviceMesh``, built by hasten's one mesh builder (as the
+    ``Accelerator`` builds a run's) on the fake process group."""
+    config = ParallelismConfig(dp_replicate_size=layout.dp_replicate, dp_shard_size=layout.dp_shard,
+                               tp_size=layout.tp)
+    return replace(config, device_mesh=config.build_device_mesh("cpu"))
+
+
+def _strategy(layout: Layout, config: ParallelismConfig, precision: Any,
+              plugin: FullyShardedDataParallelPlugin) -> FSDP2Strategy:
+    """The strategy a real run's ``Accelerator`` picks for ``layout`` (``connector.build_parts``): the N-D one for
+    HSDP and tensor parallel, FSDP2 on the mesh for ``dp_shard`` alone."""
+    device = torch.device("cpu")
+    if layout.n_dimensional:
+        return NDParallelStrategy(device, precision, DistributedType.FSDP, layout.size, config=config, plugin=plugin)
+    return FSDP2Strategy(device, precision, DistributedType.FSDP, layout.size, plugin=plugin,
+                         world_mesh=config.device_mesh)
+
+
+def _prepare(model: nn.Module, layout: Layout, config: ParallelismConfig | None, mixed_precision: str,
+             device_type: str, plugin: FullyShardedDataParallelPlugin) -> nn.Module:
+    """``model`` with this run's precision and, when sharded, tensor parallel and FSDP2's units as hasten's
+    strategy applies them (``FSDP2Strategy._shard``'s steps, minus moving and scattering real weights)."""
     precision = create_precision(mixed_precision, "cpu")
-    if not layout.sharded:
+    if config is None:
         precision.convert_module(model)
         if precision.native_amp:
             precision.wrap_forward(model)
         return model
-    strategy = FSDP2Strategy(torch.device("cpu"), precision, DistributedType.FSDP, layout.dp_shard, plugin=plugin,
-                             world_mesh=mesh)
+    strategy = _strategy(layout, config, precision, plugin)
     strategy.apply_precision(model)
+    strategy._before_fully_shard(model)  # tensor parallel on the mesh's "tp" dimension (N-D strategy)
     ignored = ignored_module_list(model, plugin.ignored_modules)
     units = select_units(model, build_wrap_policy(plugin, model), ignored)
     if plugin.activation_checkpointing:
@@ -163,11 +193,15 @@ def _prepare(model: nn.Module, layout: Layout, mesh: Any, mixed_precision: str, 
     return model
 
 
-def _run_step(model: nn.Module, layout: Layout, mesh: Any, spec: dict[str, tuple[tuple[int, ...], torch.dtype]],
+def _run_step(model: nn.Module, layout: Layout, config: ParallelismConfig | None,
+              spec: dict[str, tuple[tuple[int, ...], torch.dtype]],
               make_optimizer: Callable[[Any], torch.optim.Optimizer], mixed_precision: str, device_type: str,
               plugin: FullyShardedDataParallelPlugin, loss_fn: Any, top_modules: int) -> ProcessPlan:
     """Prepare ``model``, run :data:`PLANNED_STEPS` steps inside torch's tracker; rank 0's plan."""
-    model = _prepare(model, layout, mesh, mixed_precision, device_type, plugin)
+    try:
+        model = _prepare(model, layout, config, mixed_precision, device_type, plugin)
+    except ConfigurationError as exc:  # e.g. a model without a tensor-parallel plan, or a tp size it cannot split
+        raise PlanError(f"layout {layout.describe()!r} cannot prepare this model: {str(exc).splitlines()[0]}") from None
     optimizer = make_optimizer(model.parameters())
     inputs = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in spec.items()}
     outputs = _record_outputs(model)
@@ -184,14 +218,16 @@ def _run_step(model: nn.Module, layout: Layout, mesh: Any, spec: dict[str, tuple
     except PlanError:
         raise
     except Exception as exc:  # noqa: BLE001 - a model that cannot run this batch: one line, not a traceback
-        raise PlanError(f"the planned step failed for batch {_shapes(spec)} ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''}); check the batch shape and the "
-                        "model's forward arguments.") from None
+        # A split the model's forward cannot follow (tp above its key/value heads) fails here too, as in a real run.
+        split = f", and whether tp={layout.tp} splits every attention head whole" if layout.tp > 1 else ""
+        raise PlanError(f"the planned step failed for batch {_shapes(spec)} under layout {layout.describe()!r} "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check the batch "
+                        f"shape and the model's forward arguments{split}.") from None
     finally:
         for handle in outputs.pop("__handles__", []):
             handle.remove()
     sums = categorize(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
-    if layout.dp_replicate > 1:
+    if layout.dp_replicate > 1 and not layout.sharded:  # DDP; HSDP's replicas all-reduce FSDP2's own buffers
         sums["communication"] += ddp_bucket_bytes(model)
     return ProcessPlan(rank=0, peak_bytes=sum(sums.values()), **sums,
                        largest_modules=_largest_modules(model, outputs, top_modules))
