@@ -274,7 +274,7 @@ def test_parallelism_config_mesh_helpers_return_accelerates_values():
     config._set_size("tp", 2)
     assert config.tp_size == 2 and config._get_mesh() == (("tp",), (2,))
     with pytest.raises(ValueError, match="Parallelism must be one of"):
-        config._set_size("pp", 2)
+        config._set_size("ep", 2)  # pp is a dimension of hasten's (pipeline parallelism); ep is nobody's
     accelerator = Accelerator(cpu=True)
     config = ParallelismConfig()
     config._validate_accelerator(accelerator)
