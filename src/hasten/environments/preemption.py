@@ -277,16 +277,18 @@ class _Watcher(threading.Thread):
                 return True
         return False
 
+    def _agree_on_next(self, counter: str, mine: int) -> int:
+        """One more than the furthest process's ``counter`` (steps or collectives): where every process stops."""
+        if self.store is None:
+            return mine + 1
+        self.store.set(f"{self.prefix}/{counter}/{self.rank}", str(mine))
+        keys = [f"{self.prefix}/{counter}/{r}" for r in range(self.world)]
+        self.store.wait(keys, DECIDE_TIMEOUT)
+        return max(int(self.store.get(k)) for k in keys) + 1
+
     def _decide(self, state: _Preemption) -> None:
         state.pending = True  # first: from here on the main thread checks after every step
-        mine = state.steps
-        if self.store is None:
-            state.stop_step = mine + 1
-        else:
-            self.store.set(f"{self.prefix}/step/{self.rank}", str(mine))
-            keys = [f"{self.prefix}/step/{r}" for r in range(self.world)]
-            self.store.wait(keys, DECIDE_TIMEOUT)
-            state.stop_step = max(int(self.store.get(k)) for k in keys) + 1
+        state.stop_step = self._agree_on_next("step", state.steps)
         state.decided.set()
 
     def _no_stop_in_time(self, state: _Preemption) -> bool:
@@ -310,14 +312,7 @@ class _Watcher(threading.Thread):
 
     def _decide_call(self, state: _Preemption) -> None:
         state.calls_pending = True  # first: from here on the main thread checks before every collective
-        mine = state.calls
-        if self.store is None:
-            state.stop_call = mine + 1
-        else:
-            self.store.set(f"{self.prefix}/calls/{self.rank}", str(mine))
-            keys = [f"{self.prefix}/calls/{r}" for r in range(self.world)]
-            self.store.wait(keys, DECIDE_TIMEOUT)
-            state.stop_call = max(int(self.store.get(k)) for k in keys) + 1
+        state.stop_call = self._agree_on_next("calls", state.calls)
         state.calls_decided.set()
 
 
