@@ -13,19 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-from hasten import Accelerator, ProjectConfiguration
+from hasten import ProjectConfiguration
 from hasten.checkpointing import SAVE_STAGE_HOOKS, CheckpointError
 from hasten.testing import run_on_ranks
-
-
-def _setup(**kwargs):
-    accelerator = Accelerator(**kwargs)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return (accelerator, *accelerator.prepare(model, optimizer))
+from test_checkpoint_attacks import _setup  # the same two-layer model and AdamW
 
 
 def _train_step(accelerator, model, optimizer) -> None:

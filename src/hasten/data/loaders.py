@@ -187,17 +187,17 @@ class ResumableMixin:
 
     iteration: int = 0
     _progress: list[int] = [0]  # batches of the current pass handed out (a list: see _start_pass)
-
-    @property
-    def base_dataloader(self) -> Any:
-        """The loader producing the batches: every hasten loader is its own (Accelerate's wrap one)."""
-        return self
     _pending_skip: int = 0
     _pending_offset: int = 0  # samples into the epoch's order where the next pass starts
     _pass_offset: int = 0
     _native_shards: int | None = None  # set by prepare for file-sharded streams (no global order)
     _pass_token: object | None = None
     _start_states: list[torch.Tensor] | None = None
+
+    @property
+    def base_dataloader(self) -> Any:
+        """The loader producing the batches: every hasten loader is its own (Accelerate's wrap one)."""
+        return self
 
     def _init_resume(self, iteration: int, skip_batches: int) -> None:
         self.iteration = iteration

@@ -63,6 +63,17 @@ def plain_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool | None =
         optimizer.zero_grad(set_to_none=set_to_none)
 
 
+
+def write_single_process_files(folder: Path, weights: list[dict[str, torch.Tensor]],
+                               optimizer_states: list[dict[str, Any]], safe_serialization: bool, sink: Sink) -> None:
+    """The single-process checkpoint files: ``model{_i}`` from each non-empty ``weights`` entry and
+    ``optimizer{_i}.bin`` from each optimizer state, all through ``sink``."""
+    for i, state in enumerate(weights):
+        if state:
+            ckpt.save_model_weights(state, folder, i, safe_serialization, sink=sink)
+    for i, state in enumerate(optimizer_states):
+        ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), sink=sink)
+
 class Strategy:
     """How models are replicated or sharded: the whole model path behind the ``Accelerator`` facade.
 
@@ -318,14 +329,9 @@ class Strategy:
         ``engine_kwargs``: what :meth:`engine_checkpoint_kwargs` accepted (base: none).
         """
         self.engine_checkpoint_kwargs("save_state", engine_kwargs or {})
-        if not writer:
-            return
-        for i, state in enumerate(weights):
-            if state:
-                ckpt.save_model_weights(state, folder, i, safe_serialization, sink=sink)
-        for i, optimizer in enumerate(optimizers):
-            ckpt.torch_save(optimizer.state_dict(), folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)),
-                            sink=sink)
+        if writer:
+            write_single_process_files(folder, weights, [opt.state_dict() for opt in optimizers],
+                                       safe_serialization, sink)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:

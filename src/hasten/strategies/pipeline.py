@@ -35,7 +35,7 @@ from hasten.checkpointing.sinks import Sink
 from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
-from hasten.strategies.base import CheckedState, Strategy, unwrap_common
+from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_single_process_files
 from hasten.strategies.pipeline_checkpoint import (
     full_optimizer_state,
     full_weights,
@@ -386,13 +386,8 @@ class PipelineStrategy(Strategy):
         options: :meth:`engine_checkpoint_kwargs` refused any before the save started)."""
         stage = self.unwrap(models[0])
         states = [full_optimizer_state(stage, opt, self._layout(opt), self._pp_group()) for opt in optimizers]
-        if not writer:
-            return
-        for i, state in enumerate(weights):
-            if state:
-                ckpt.save_model_weights(state, folder, i, safe_serialization, sink=sink)
-        for i, state in enumerate(states):
-            ckpt.torch_save(state, folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i)), sink=sink)
+        if writer:
+            write_single_process_files(folder, weights, states, safe_serialization, sink)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:
