@@ -4,7 +4,10 @@ For each case the plan runs on fake tensors in a fake process group; the same st
 through ``Accelerator.prepare`` on 1, 2 or 4 forked gloo ranks, measured by torch's memory tracker in real
 mode (``hasten.memory_plan.measure``). Printed per case: the planned and measured peak of the worst rank,
 the error, and whether the plan answers "fits" right at budgets 15% above and 15% below the measured
-peak; then the median and largest error.
+peak; then the median and largest error. The peer, in the same run on the same cases: Accelerate's
+``accelerate estimate-memory`` training figure (its ``estimate_training_usage`` peak for the model's size,
+where Accelerate is installed, as in ``make bench``'s venv): one number per model and precision, for Adam at
+batch size 1 on one process, whatever the layout, optimizer or batch.
 
     python benchmarks/bench_memory_plan.py            # every case (a few minutes on 2 cores)
     python benchmarks/bench_memory_plan.py --quick    # 1 and 2 ranks, tiny models only
@@ -143,6 +146,22 @@ def _plan(case: tuple, world: int, folder: str) -> Any:
                        optimizer=optimizer, device_type="cpu", **options)
 
 
+def _accelerate_estimate(model: str, folder: str, precision: str) -> int | None:
+    """Accelerate's ``estimate-memory`` training peak for ``model`` (None without Accelerate installed)."""
+    try:
+        from accelerate.commands.estimate import estimate_training_usage
+        from accelerate.utils import calculate_maximum_sizes
+    except ImportError:
+        return None
+    total_size, _ = calculate_maximum_sizes(_build(model, folder))
+    return int(max(estimate_training_usage(total_size, "bfloat16" if precision == "bf16" else "float32").values()))
+
+
+def _summary(name: str, errors: list[float], wrong_answers: int) -> str:
+    return (f"{name}: {len(errors)} cases, median |error| {statistics.median(errors):.2%}, largest {max(errors):.2%}, "
+            f"wrong fits answers {wrong_answers}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, the two tiny models")
@@ -150,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import transformers
 
-    errors, wrong_answers = [], 0
+    errors, wrong_answers, peer_errors, peer_wrong = [], 0, [], 0
     print(f"{'model':11} {'ranks':>5} {'layout':25} {'precision':9} {'optimizer':9} {'options':26} "
-          f"{'planned':>11} {'measured':>11} {'error':>7}  fits@+15%/-15%")
+          f"{'planned':>11} {'measured':>11} {'error':>7}  fits@+15%/-15%  {'accelerate':>11} {'error':>8}  fits")
     with tempfile.TemporaryDirectory() as folder:
         for name, sizes in LLAMAS.items():
             transformers.LlamaConfig(**sizes, architectures=["LlamaForCausalLM"]).save_pretrained(f"{folder}/{name}")
@@ -169,11 +188,21 @@ def main(argv: list[str] | None = None) -> int:
                 wrong_answers += answers.count(False)
                 errors.append(abs(error))
                 options = ",".join(f"{k}={v}" for k, v in case[4].items()) or "-"
+                peer = _accelerate_estimate(case[0], folder, case[2])
+                peer_text = "not installed"
+                if peer is not None:
+                    peer_error = (peer - real) / real
+                    peer_answers = (peer <= real * 1.15, peer > real * 0.85)  # Accelerate's "fits" at each budget
+                    peer_wrong += peer_answers.count(False)
+                    peer_errors.append(abs(peer_error))
+                    peer_text = (f"{format_bytes(peer):>11} {peer_error:+8.2%}  "
+                                 f"{'right' if all(peer_answers) else 'WRONG'}")
                 print(f"{case[0]:11} {world:5} {case[1] or 'single':25} {case[2]:9} {case[3]:9} {options:26} "
                       f"{format_bytes(plan.peak_bytes):>11} {format_bytes(real):>11} {error:+7.2%}  "
-                      f"{'right' if all(answers) else 'WRONG'}")
-    print(f"{len(errors)} cases: median |error| {statistics.median(errors):.2%}, largest {max(errors):.2%}, "
-          f"wrong fits answers {wrong_answers}")
+                      f"{'right' if all(answers) else 'WRONG':14}  {peer_text}")
+    print(_summary("hasten plan_memory", errors, wrong_answers))
+    if peer_errors:
+        print(_summary("accelerate estimate-memory", peer_errors, peer_wrong))
     return 0
 
 
