@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hf_stack_helpers import ROOT, accelerate_python, hf_env, hf_python, script
+
+from helpers.hf_stack import ROOT, accelerate_python, hf_env, hf_python, script
 
 pytestmark = [pytest.mark.slow, pytest.mark.launch]
 

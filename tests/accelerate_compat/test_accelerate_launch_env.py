@@ -7,10 +7,10 @@ import json
 import sys
 
 import pytest
-from hf_stack_helpers import accelerate_python, hasten_launch, hf_python, run, script
 
 from hasten.config.env import accelerate_launch_env, launch_config_to_env
 from hasten.config.io import load_config_file
+from helpers.hf_stack import accelerate_python, hasten_launch, hf_python, run, script
 
 CONFIGS = {
     "cpu_bf16": "distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nmixed_precision: bf16\n",

@@ -1,5 +1,6 @@
 """Drop-in behaviour behind Accelerate's long tail of names (issue 15): availability checks, refusals,
-Accelerate's parameter names, module paths, state reuse, debug mode, launcher failures."""
+Accelerate's parameter names, module paths, state reuse, debug mode, launcher failures, the older
+tensor-parallel plugin."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from hasten.exceptions import ConfigurationError, LaunchError
 from hasten.state import AcceleratorState, PartialState
+from hasten.testing import run_on_ranks
 
 ROWS = json.loads((Path(__file__).parents[1] / "fixtures" / "accelerate_inventory.json").read_text())["names"]
 
@@ -428,3 +430,20 @@ def test_environment_helpers(monkeypatch):
         lines = convert_dict_to_env_variables({"A": "1", "BAD": "x y"})
     assert lines == ["A=1\n"]
     assert get_current_device_type() == (("cuda", "nccl") if torch.cuda.is_available() else ("cpu", "gloo"))
+
+
+# ------------------------------------------------------------------ older tensor-parallel plugin
+def _tp_plugin_run():
+    from hasten import Accelerator
+    from hasten.utils import TorchTensorParallelPlugin
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator = Accelerator(cpu=True, torch_tp_plugin=TorchTensorParallelPlugin(tp_size=2))
+    deprecated = any(issubclass(w.category, FutureWarning) and "ParallelismConfig" in str(w.message) for w in caught)
+    return accelerator.parallelism_config.tp_size, accelerator.state.device_mesh["tp"].size(), deprecated
+
+
+def test_torch_tensor_parallel_plugin_runs_as_parallelism_config_tp_size():
+    """Accelerate 1.15 maps ``torch_tp_plugin`` onto ``ParallelismConfig(tp_size=...)`` with a FutureWarning."""
+    assert run_on_ranks(_tp_plugin_run, world_size=2) == [(2, 2, True), (2, 2, True)]

@@ -1,14 +1,10 @@
-"""Names that hasten used to refuse though no engine was missing (issue 27): Accelerate's checkpoint
-functions and its older tensor-parallel plugin now run. (Pipeline inference: tests/big_modeling/test_pippy.py.)"""
+"""Accelerate's checkpoint functions ``save_accelerator_state`` / ``load_accelerator_state`` (refused
+before issue 27) run as Accelerate's do."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
-
-from hasten.testing import run_on_ranks
 
 
 def test_save_and_load_accelerator_state_round_trip(tmp_path):
@@ -36,19 +32,3 @@ def test_save_and_load_accelerator_state_round_trip(tmp_path):
     assert torch.equal(torch.rand(3), expected_draw)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
     assert other_optimizer.state_dict()["state"][0]["step"] == 1 and other_scheduler.last_epoch == 1
-
-
-def _tp_plugin_run():
-    from hasten import Accelerator
-    from hasten.utils import TorchTensorParallelPlugin
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        accelerator = Accelerator(cpu=True, torch_tp_plugin=TorchTensorParallelPlugin(tp_size=2))
-    deprecated = any(issubclass(w.category, FutureWarning) and "ParallelismConfig" in str(w.message) for w in caught)
-    return accelerator.parallelism_config.tp_size, accelerator.state.device_mesh["tp"].size(), deprecated
-
-
-def test_torch_tensor_parallel_plugin_runs_as_parallelism_config_tp_size():
-    """Accelerate 1.15 maps ``torch_tp_plugin`` onto ``ParallelismConfig(tp_size=...)`` with a FutureWarning."""
-    assert run_on_ranks(_tp_plugin_run, world_size=2) == [(2, 2, True), (2, 2, True)]

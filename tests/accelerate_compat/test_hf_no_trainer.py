@@ -5,7 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hf_stack_helpers import hasten_launch
+
+from helpers.hf_stack import hasten_launch
 
 pytestmark = pytest.mark.launch
 

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hf_stack_helpers import ROOT, accelerate_python, hasten_launch, hf_python, run
+
+from helpers.hf_stack import ROOT, accelerate_python, hasten_launch, hf_python, run
 
 pytestmark = pytest.mark.launch
 

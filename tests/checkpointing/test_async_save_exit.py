@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_async_save_kill import _check_loadable
 from torch import nn
 
 from hasten import Accelerator
 from hasten.checkpointing import SAVE_STAGE_HOOKS
+from helpers.checkpoints import newest_checkpoint_step
 
 NOTICE = "to be published before exiting"
 FAILURE = "No space left on device"
@@ -125,7 +125,7 @@ def test_python_script_ending_with_an_async_save_publishes_it(tmp_path, ending):
     assert code == (1 if ending == "raise" else 0), out
     assert out.count(NOTICE) == 1, out
     assert ending != "raise" or "RuntimeError: the training loop failed" in out
-    assert _check_loadable(project, out[-3000:]) == 2  # the async save, complete and published
+    assert newest_checkpoint_step(project, out[-3000:]) == 2  # the async save, complete and published
     assert sorted(p.name for p in (project / "checkpoints").iterdir()) == ["checkpoint_1"]  # pruned to 1
 
 
@@ -134,7 +134,7 @@ def test_hasten_launch_script_ending_with_an_async_save_publishes_it(tmp_path, r
     code, out, project = _run(tmp_path, "return", launch=True)
     assert code == 0, out
     assert out.count(NOTICE) == 1, out  # the main process says it waits
-    assert _check_loadable(project, out[-3000:]) == 2  # saved by 2 processes, loaded by this one
+    assert newest_checkpoint_step(project, out[-3000:]) == 2  # saved by 2 processes, loaded by this one
 
 
 @pytest.mark.parametrize("launch", [False, pytest.param(True, marks=pytest.mark.launch)],
@@ -146,7 +146,7 @@ def test_a_failing_async_save_at_exit_fails_the_run_on_every_process(tmp_path, l
               if line.startswith("hasten: The background save of") and FAILURE in line]
     assert len(errors) == (2 if launch else 1), out  # printed by every process, the same message
     assert len(set(errors)) == 1 and "nothing was published; the previous checkpoint is intact" in errors[0]
-    assert _check_loadable(project, out[-3000:]) == 1  # the previous checkpoint
+    assert newest_checkpoint_step(project, out[-3000:]) == 1  # the previous checkpoint
 
 
 def _kill_during_exit(tmp_path: Path, stage: str, delay: float) -> str:
@@ -173,7 +173,7 @@ def _kill_during_exit(tmp_path: Path, stage: str, delay: float) -> str:
 def test_kill_9_during_the_exit_wait_leaves_a_complete_checkpoint(tmp_path, stage, published):
     delay = random.Random(SEED).uniform(0, 0.3) if stage == "none" else 0.0
     trial = _kill_during_exit(tmp_path, stage, delay)
-    step = _check_loadable(tmp_path / "project", trial)  # whatever is newest is one whole save and loads
+    step = newest_checkpoint_step(tmp_path / "project", trial)  # whatever is newest is one whole save and loads
     assert step == {False: 1, True: 2, None: step}[published], trial
 
 

@@ -26,13 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 import torch.multiprocessing as mp
-from torch import nn
 
-from hasten import Accelerator
-from hasten.checkpointing import newest_checkpoint
 from hasten.testing.distributed import _rank_main
+from helpers.checkpoints import newest_checkpoint_step
 
 SEED = 24
 FORKED_TRIALS = 18
@@ -104,26 +101,6 @@ def _wait_for_markers(markers: Path, count: int, alive: Callable[[], bool], dead
         time.sleep(0.02)
 
 
-def _check_loadable(project: Path, trial: str) -> int:
-    """Load the newest complete checkpoint here (one process) and return its step; fail naming ``trial``."""
-    newest = newest_checkpoint(project)
-    assert newest is not None, f"{trial}: no complete checkpoint left"
-    worker = _worker()
-    accelerator = Accelerator()
-    torch.manual_seed(0)
-    model = accelerator.prepare(nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)))
-    accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    counter = worker["Counter"]()
-    accelerator.register_for_checkpointing(counter)
-    try:
-        accelerator.load_state(newest)
-    except Exception as exc:  # noqa: BLE001 - reported with the trial that produced it
-        pytest.fail(f"{trial}: {newest} does not load: {exc}")
-    for p in model.parameters():
-        assert torch.equal(p, torch.full_like(p, float(counter.step))), f"{trial}: {newest} mixes saves"
-    return counter.step
-
-
 def _dead(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -155,7 +132,7 @@ def test_kill_9_at_random_points_of_async_saves_keeps_a_loadable_checkpoint(tmp_
             for process in context.processes:  # the rest of the group goes down with it
                 process.kill()
                 process.join(timeout=30)
-        steps.append(_check_loadable(project, f"trial {trial} (seed {SEED}, rank {victim} killed after {delay:.3f} s)"))
+        steps.append(newest_checkpoint_step(project, f"trial {trial} (seed {SEED}, rank {victim} killed after {delay:.3f} s)"))
     assert steps == sorted(steps) and steps[-1] > steps[0]  # the trials resumed and went on saving
 
     # Through the launcher: a rank killed (the agent restarts the group from the checkpoint), then the launcher.
@@ -189,5 +166,5 @@ def test_kill_9_at_random_points_of_async_saves_keeps_a_loadable_checkpoint(tmp_
             assert time.monotonic() < deadline, f"workers outlived their launcher: {stderr[-2000:]}"
             time.sleep(0.05)
     assert launcher.returncode == -signal.SIGKILL, stderr[-2000:]
-    final = _check_loadable(project, f"launcher killed after {delay:.3f} s (seed {SEED})")
+    final = newest_checkpoint_step(project, f"launcher killed after {delay:.3f} s (seed {SEED})")
     assert final >= steps[-1]

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_attacks import _setup  # the same two-layer model and AdamW
 
 from hasten import ProjectConfiguration
 from hasten.checkpointing import SAVE_STAGE_HOOKS, CheckpointError
 from hasten.testing import run_on_ranks
+from helpers.checkpoints import prepared_model_optimizer
 
 
 def _train_step(accelerator, model, optimizer) -> None:
@@ -47,7 +47,7 @@ def _fail_one_save(root: str, where: str, async_save: bool) -> tuple[str, bool]:
     rotating = where == "pruning"
     config = ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=rotating, total_limit=1)
     folder = None if rotating else Path(root) / "ck"
-    accelerator, model, optimizer = _setup(project_config=config)
+    accelerator, model, optimizer = prepared_model_optimizer(project_config=config)
     _train_step(accelerator, model, optimizer)
     accelerator.save_state(folder)
     previous = _weights(accelerator, model)

@@ -16,20 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_safety import Counter, _same, _weights  # the first pass's helpers
 from torch import nn
 
 from hasten import Accelerator, ProjectConfiguration
 from hasten.checkpointing import CheckpointError, safe_load
 from hasten.testing import run_on_ranks
-
-
-def _setup(**kwargs):
-    accelerator = Accelerator(**kwargs)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    return (accelerator, *accelerator.prepare(model, optimizer))
+from helpers.checkpoints import Counter, prepared_model_optimizer, same_tensors, weights_of
 
 
 # ------------------------------------------------------------------------ 1. no constructor runs
@@ -93,23 +85,23 @@ CRAFTED = {
 @pytest.mark.parametrize("gadget", sorted(CRAFTED))
 def test_a_class_of_the_program_is_never_constructed_by_a_load(tmp_path, monkeypatch, file, gadget):
     monkeypatch.setattr(safe_load, "_REGISTERED_TYPES", {}, raising=False)
-    accelerator, model, _ = _setup()
+    accelerator, model, _ = prepared_model_optimizer()
     accelerator.register_for_checkpointing(Counter(3))
     folder = accelerator.save_state(tmp_path / "ck")
     marker = tmp_path / "ran"
     torch.save({"count": CRAFTED[gadget](marker), "step": 0}, folder / file)
-    before = _weights(accelerator, model)
+    before = weights_of(accelerator, model)
     with pytest.raises(CheckpointError, match=rf"{file} holds a type outside the allow-list") as info:
         accelerator.load_state(folder, verify_checksums=False)
     assert not marker.exists()
-    assert _same(_weights(accelerator, model), before)
+    assert same_tensors(weights_of(accelerator, model), before)
     if file.startswith("custom"):
         assert "add_safe_types" in str(info.value)
 
 
 def test_user_types_in_registered_objects_need_explicit_registration(tmp_path, monkeypatch):
     monkeypatch.setattr(safe_load, "_REGISTERED_TYPES", {}, raising=False)
-    accelerator, *_ = _setup()
+    accelerator, *_ = prepared_model_optimizer()
     holder = Counter({"phase": Moody.CALM})
     accelerator.register_for_checkpointing(holder)
     folder = accelerator.save_state(tmp_path / "ck")
@@ -150,7 +142,7 @@ def test_an_in_place_save_never_removes_files_a_manifest_lists_outside_the_folde
     victim = outside / "victim.txt"
     victim.write_text("precious")
     monkeypatch.chdir(work)
-    accelerator, *_ = _setup()
+    accelerator, *_ = prepared_model_optimizer()
     accelerator.save_state(".")
     listed = {"dotdot": "../outside/victim.txt", "absolute": str(victim), "through_a_link": "sub/victim.txt"}[how]
     if how == "through_a_link":
@@ -164,7 +156,7 @@ def test_an_in_place_save_never_removes_files_a_manifest_lists_outside_the_folde
 def test_load_state_reads_nothing_a_crafted_manifest_lists_outside_the_folder(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("s" * 1234)
-    accelerator, *_ = _setup()
+    accelerator, *_ = prepared_model_optimizer()
     folder = accelerator.save_state(tmp_path / "ck")
     _rewrite_manifest(folder, lambda m: m["files"].update({"../secret.txt": {"size": 1, "crc32": "00000000"}}))
     with pytest.raises(CheckpointError, match=r"damaged or crafted .*leaves the folder") as info:
@@ -194,7 +186,7 @@ USER_ENTRIES = ["model_card.md", "models/best.pt", "latest_metrics.json", "optim
 
 @pytest.mark.parametrize("entry,manifest", [(e, False) for e in USER_ENTRIES] + [("empty/", True), ("data", True)])
 def test_user_entries_that_look_like_checkpoint_files_are_never_replaced(tmp_path, entry, manifest):
-    accelerator, *_ = _setup()
+    accelerator, *_ = prepared_model_optimizer()
     folder = accelerator.save_state(tmp_path / "ck")
     if not manifest:
         (folder / "hasten_checkpoint.json").unlink()  # now laid out like Accelerate's checkpoint
@@ -213,7 +205,7 @@ def test_user_entries_that_look_like_checkpoint_files_are_never_replaced(tmp_pat
 
 
 def test_a_folder_with_only_accelerate_names_is_replaced(tmp_path):
-    accelerator, model, optimizer = _setup()
+    accelerator, model, optimizer = prepared_model_optimizer()
     folder = accelerator.save_state(tmp_path / "ck")
     (folder / "hasten_checkpoint.json").unlink()
     for name in ("sampler.bin", "dl_state_dict.bin", "scaler.pt", "custom_checkpoint_0.pkl"):
@@ -229,17 +221,17 @@ def test_a_symlinked_checkpoint_folder_stays_a_link(tmp_path):
     scratch.mkdir(parents=True)
     link = tmp_path / "ck"
     link.symlink_to(scratch)
-    accelerator, model, optimizer = _setup()
+    accelerator, model, optimizer = prepared_model_optimizer()
     for _ in range(3):
         accelerator.save_state(link)
-        saved = _weights(accelerator, model)
+        saved = weights_of(accelerator, model)
         accelerator.backward(model(torch.ones(2, 4)).sum())
         optimizer.step()
     assert link.is_symlink() and os.path.realpath(link) == str(scratch)
     assert (scratch / "model.safetensors").is_file() and sorted(os.listdir(tmp_path)) == ["ck", "scratch"]
     assert sorted(os.listdir(tmp_path / "scratch")) == ["ck"]
     accelerator.load_state(link)
-    assert _same(_weights(accelerator, model), saved)
+    assert same_tensors(weights_of(accelerator, model), saved)
 
 
 def test_a_symlinked_project_folder_stays_a_link(tmp_path):
@@ -248,7 +240,7 @@ def test_a_symlinked_project_folder_stays_a_link(tmp_path):
     project = tmp_path / "project"
     project.symlink_to(real)
     config = ProjectConfiguration(project_dir=str(project), automatic_checkpoint_naming=True, total_limit=1)
-    accelerator, *_ = _setup(project_config=config)
+    accelerator, *_ = prepared_model_optimizer(project_config=config)
     for _ in range(3):
         accelerator.save_state()
     assert project.is_symlink() and sorted(os.listdir(real / "checkpoints")) == ["checkpoint_2"]
@@ -259,24 +251,24 @@ def test_a_fresh_run_numbers_after_existing_checkpoints_and_keeps_its_own(tmp_pa
     from hasten.state import reset_state
 
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, iteration=5)
-    accelerator, *_ = _setup(project_config=config)
+    accelerator, *_ = prepared_model_optimizer(project_config=config)
     accelerator.save_state()
     accelerator.save_state()
     reset_state()
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
-    accelerator, model, optimizer = _setup(project_config=config)
+    accelerator, model, optimizer = prepared_model_optimizer(project_config=config)
     torch.manual_seed(7)
     with torch.no_grad():
         model[0].weight.normal_()
-    mine = _weights(accelerator, model)
+    mine = weights_of(accelerator, model)
     assert accelerator.save_state().name == "checkpoint_7"
     assert accelerator.save_state().name == "checkpoint_8"
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_7", "checkpoint_8"]
     reset_state()
-    accelerator, model, optimizer = _setup(project_config=ProjectConfiguration(
+    accelerator, model, optimizer = prepared_model_optimizer(project_config=ProjectConfiguration(
         project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2))
     assert accelerator.load_state().name == "checkpoint_8"
-    assert _same(_weights(accelerator, model), mine)
+    assert same_tensors(weights_of(accelerator, model), mine)
     accelerator.load_state(tmp_path / "checkpoints" / "checkpoint_7")  # an older one: numbering still goes on
     assert accelerator.save_state().name == "checkpoint_9"
 
@@ -286,7 +278,7 @@ def test_prune_never_removes_the_checkpoint_just_written(tmp_path):
 
     root = tmp_path / "checkpoints"
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, iteration=5)
-    accelerator, *_ = _setup(project_config=config)
+    accelerator, *_ = prepared_model_optimizer(project_config=config)
     accelerator.save_state()
     accelerator.save_state()
     (root / "checkpoint_5").rename(root / "checkpoint_0")  # an older number for a newer checkpoint
@@ -384,7 +376,7 @@ class RankFussy(Counter):
 def _load_failing_on_rank_1(root: str, damage_rng: bool) -> list:
     from hasten.checkpointing.manifest import write_manifest
 
-    accelerator, model, optimizer = _setup()
+    accelerator, model, optimizer = prepared_model_optimizer()
     first, fussy = Counter(5), RankFussy(6)
     accelerator.register_for_checkpointing(first, fussy)
     folder = accelerator.save_state(Path(root) / "ck")
@@ -395,13 +387,13 @@ def _load_failing_on_rank_1(root: str, damage_rng: bool) -> list:
     accelerator.backward(model(torch.ones(2, 4)).sum())
     optimizer.step()
     first.count, fussy.count = 50, 60
-    weights, rng = _weights(accelerator, model), torch.get_rng_state()
+    weights, rng = weights_of(accelerator, model), torch.get_rng_state()
     try:
         accelerator.load_state(folder, **({} if damage_rng else {"verify_checksums": True}))
         error = "loaded"
     except CheckpointError as exc:
         error = str(exc)
-    restored = first.count == 50 and fussy.count == 60 and _same(_weights(accelerator, model), weights)
+    restored = first.count == 50 and fussy.count == 60 and same_tensors(weights_of(accelerator, model), weights)
     accelerator.wait_for_everyone()  # both processes got here: nobody hangs in a collective
     return [error, restored and torch.equal(torch.get_rng_state(), rng)]
 
@@ -420,7 +412,7 @@ def test_a_load_failing_on_one_process_raises_the_same_error_everywhere_and_rest
 def test_pruning_keeps_folders_it_cannot_prove_are_hasten_s(tmp_path):
     root = tmp_path / "checkpoints"
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=1)
-    accelerator, *_ = _setup(project_config=config)
+    accelerator, *_ = prepared_model_optimizer(project_config=config)
     for _ in range(3):
         accelerator.save_state()
         if accelerator.project_configuration.iteration == 1:  # checkpoint_0: a file changed since the save
@@ -437,7 +429,7 @@ def test_pruning_keeps_folders_it_cannot_prove_are_hasten_s(tmp_path):
 @pytest.mark.parametrize("name", ["/etc/passwd", "a/../../x", "./model.safetensors", "a//b", "a\\..\\b",
                                   "d/" * 16 + "x", "hasten_checkpoint.json"])
 def test_every_crafted_manifest_name_is_refused_before_anything_is_read(tmp_path, name):
-    accelerator, *_ = _setup()
+    accelerator, *_ = prepared_model_optimizer()
     folder = accelerator.save_state(tmp_path / "ck")
     _rewrite_manifest(folder, lambda m: m["files"].update({name: {"size": 1, "crc32": "00000000"}}))
     with pytest.raises(CheckpointError, match=r"damaged or crafted"):
@@ -449,7 +441,7 @@ def test_every_crafted_manifest_name_is_refused_before_anything_is_read(tmp_path
 def test_an_oversized_manifest_is_refused(tmp_path, monkeypatch):
     from hasten.checkpointing import manifest
 
-    accelerator, *_ = _setup()
+    accelerator, *_ = prepared_model_optimizer()
     folder = accelerator.save_state(tmp_path / "ck")
     monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 100)
     with pytest.raises(CheckpointError, match=r"damaged or crafted \(\d+ bytes, more than a manifest ever holds"):
@@ -470,7 +462,7 @@ def _equal(a, b) -> bool:
 def _live_state(accelerator, model, optimizer, scheduler, loader, counter) -> dict:
     import copy
 
-    return copy.deepcopy({"weights": _weights(accelerator, model), "optimizer": optimizer.state_dict(),
+    return copy.deepcopy({"weights": weights_of(accelerator, model), "optimizer": optimizer.state_dict(),
                           "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                           "counter": counter.count, "rng": torch.get_rng_state(),
                           "step": accelerator.step})

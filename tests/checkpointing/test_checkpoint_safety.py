@@ -1,4 +1,5 @@
-"""Checkpoints never destroy, never execute, never half-load (issue 18), with fault injection.
+"""Checkpoints never destroy, never execute, never half-load (issue 18), with fault injection (another
+number of processes: test_checkpoint_process_count.py).
 
 Ground truth everywhere: the bytes and objects as they were before the failed operation, the
 weights of the checkpoint that must survive, and a marker file that a crafted pickle would create.
@@ -6,7 +7,6 @@ weights of the checkpoint that must survive, and a marker file that a crafted pi
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime
 import enum
@@ -27,15 +27,7 @@ from torch import nn
 from hasten import Accelerator, ProjectConfiguration
 from hasten.checkpointing import CheckpointError
 from hasten.testing import run_on_ranks
-
-
-def _setup(**kwargs):
-    accelerator = Accelerator(**kwargs)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
-    return (accelerator, *accelerator.prepare(model, optimizer, scheduler))
+from helpers.checkpoints import Counter, prepared_model_optimizer_scheduler, same_tensors, weights_of
 
 
 def _step(accelerator, model, optimizer, scheduler):
@@ -43,25 +35,6 @@ def _step(accelerator, model, optimizer, scheduler):
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
-
-
-def _weights(accelerator, model):
-    return {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-class Counter:
-    def __init__(self, count=0):
-        self.count = count
-
-    def state_dict(self):
-        return {"count": self.count}
-
-    def load_state_dict(self, state):
-        self.count = state["count"]
 
 
 class Marker:
@@ -76,7 +49,7 @@ class Marker:
 
 # ------------------------------------------------------------------------------ 1. never destroy
 def test_save_state_refuses_a_file_or_a_folder_of_user_files(tmp_path):
-    accelerator, *_ = _setup()
+    accelerator, *_ = prepared_model_optimizer_scheduler()
     folder = tmp_path / "ck"
     (folder / "logs").mkdir(parents=True)
     (folder / "notes.txt").write_text("mine")
@@ -93,12 +66,12 @@ def test_save_state_refuses_a_file_or_a_folder_of_user_files(tmp_path):
 
 
 def test_replacing_a_checkpoint_keeps_user_files_out_of_harms_way(tmp_path):
-    accelerator, model, optimizer, scheduler = _setup()
+    accelerator, model, optimizer, scheduler = prepared_model_optimizer_scheduler()
     first = accelerator.save_state(tmp_path / "ck")
     _step(accelerator, model, optimizer, scheduler)
     accelerator.save_state(tmp_path / "ck")  # an earlier hasten checkpoint is replaced
     assert sorted(os.listdir(tmp_path)) == ["ck"]
-    assert _same(load_file(str(first / "model.safetensors")), _weights(accelerator, model))
+    assert same_tensors(load_file(str(first / "model.safetensors")), weights_of(accelerator, model))
     (first / "notes.txt").write_text("added by the user")
     with pytest.raises(CheckpointError, match="notes.txt"):
         accelerator.save_state(tmp_path / "ck")
@@ -109,15 +82,15 @@ def test_save_state_dot_and_relative_paths(tmp_path, monkeypatch):
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    accelerator, model, optimizer, scheduler = _setup()
+    accelerator, model, optimizer, scheduler = prepared_model_optimizer_scheduler()
     assert accelerator.save_state(".") == work
-    saved = _weights(accelerator, model)
+    saved = weights_of(accelerator, model)
     _step(accelerator, model, optimizer, scheduler)
     accelerator.save_state(".")  # replaces the checkpoint in the working directory, in place
     _step(accelerator, model, optimizer, scheduler)
     assert accelerator.save_state("runs/../../ck") == tmp_path / "ck"
     accelerator.load_state(".")
-    assert not _same(_weights(accelerator, model), saved)  # the second save, not the first
+    assert not same_tensors(weights_of(accelerator, model), saved)  # the second save, not the first
     assert not any(name.startswith(".hasten_staging") for name in os.listdir(work))
     (work / "train.py").write_text("# the user's script")
     with pytest.raises(CheckpointError, match="train.py"):
@@ -196,18 +169,18 @@ def test_kill_9_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, mo
 
 # ---------------------------------------------------------------------------- 3. never execute
 def test_crafted_registered_object_and_rng_files_are_refused(tmp_path):
-    accelerator, model, *_ = _setup()
+    accelerator, model, *_ = prepared_model_optimizer_scheduler()
     accelerator.register_for_checkpointing(Counter(3))
     folder = accelerator.save_state(tmp_path / "ck")
     marker = tmp_path / "ran"
-    before = _weights(accelerator, model)
+    before = weights_of(accelerator, model)
     for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl"):
         genuine = (folder / name).read_bytes()
         torch.save({"count": Marker(marker)}, folder / name)
         with pytest.raises(CheckpointError, match=name):
             accelerator.load_state(folder, verify_checksums=False)  # the unpickler itself must refuse it
         assert not marker.exists()
-        assert _same(_weights(accelerator, model), before)
+        assert same_tensors(weights_of(accelerator, model), before)
         (folder / name).write_bytes(genuine)
 
 
@@ -241,7 +214,7 @@ def test_registered_objects_with_numpy_datetime_path_enum_dataclass_round_trip(t
 
     monkeypatch.setattr(safe_load, "_REGISTERED_TYPES", {})
     add_safe_types(Colour, Where)  # the program's own classes: trusted explicitly (issue 28)
-    accelerator, *_ = _setup()
+    accelerator, *_ = prepared_model_optimizer_scheduler()
     rich = RichState()
     accelerator.register_for_checkpointing(rich)
     now = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
@@ -374,25 +347,25 @@ class Fussy(Counter):
 
 
 def test_a_failing_registered_object_changes_nothing(tmp_path):
-    accelerator, model, optimizer, scheduler = _setup()
+    accelerator, model, optimizer, scheduler = prepared_model_optimizer_scheduler()
     first, fussy = Counter(5), Fussy(6)
     accelerator.register_for_checkpointing(first, fussy)
     folder = accelerator.save_state(tmp_path / "ck")
     _step(accelerator, model, optimizer, scheduler)
     first.count, fussy.count = 50, 60
-    weights, opt_state = _weights(accelerator, model), optimizer.state_dict()
+    weights, opt_state = weights_of(accelerator, model), optimizer.state_dict()
     sched_state, rng = scheduler.state_dict(), torch.get_rng_state()
     with pytest.raises(CheckpointError, match=r"registered object #1 \(Fussy\).*KeyError"):
         accelerator.load_state(folder)
     assert first.count == 50 and fussy.count == 60  # both put back
-    assert _same(_weights(accelerator, model), weights) and scheduler.state_dict() == sched_state
+    assert same_tensors(weights_of(accelerator, model), weights) and scheduler.state_dict() == sched_state
     assert torch.equal(torch.get_rng_state(), rng)
     after = optimizer.state_dict()
     assert all(torch.equal(after["state"][k]["exp_avg"], opt_state["state"][k]["exp_avg"]) for k in opt_state["state"])
 
 
 def test_an_optimizer_that_does_not_match_is_refused_before_anything_changes(tmp_path):
-    accelerator, model, optimizer, scheduler = _setup()
+    accelerator, model, optimizer, scheduler = prepared_model_optimizer_scheduler()
     folder = accelerator.save_state(tmp_path / "ck")
     from hasten.state import reset_state
 
@@ -402,17 +375,17 @@ def test_an_optimizer_that_does_not_match_is_refused_before_anything_changes(tmp
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.1}]
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(groups, lr=0.01))
-    before = _weights(accelerator, model)
+    before = weights_of(accelerator, model)
     with pytest.raises(CheckpointError, match=r"optimizer.bin holds 1 parameter groups but the optimizer has 2"):
         accelerator.load_state(folder)
-    assert _same(_weights(accelerator, model), before)
+    assert same_tensors(weights_of(accelerator, model), before)
 
 
 # ---------------------------------------------------------------------------- 5. checksums
 def test_a_flipped_byte_inside_tensor_data_is_caught_and_named(tmp_path):
     import json
 
-    accelerator, model, *_ = _setup()
+    accelerator, model, *_ = prepared_model_optimizer_scheduler()
     folder = accelerator.save_state(tmp_path / "ck")
     manifest = json.loads((folder / "hasten_checkpoint.json").read_text())
     assert manifest["num_processes"] == 1
@@ -421,12 +394,12 @@ def test_a_flipped_byte_inside_tensor_data_is_caught_and_named(tmp_path):
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x40  # inside the last tensor's bytes: the header stays valid
     path.write_bytes(bytes(data))
-    before = _weights(accelerator, model)
+    before = weights_of(accelerator, model)
     with pytest.raises(CheckpointError, match=r"model.safetensors is damaged: its checksum differs"):
         accelerator.load_state(folder)
-    assert _same(_weights(accelerator, model), before)
+    assert same_tensors(weights_of(accelerator, model), before)
     accelerator.load_state(folder, verify_checksums=False)  # without the check the damage loads silently
-    assert not _same(_weights(accelerator, model), before)
+    assert not same_tensors(weights_of(accelerator, model), before)
 
 
 # --------------------------------------------------------------------------- 6. durable writes
@@ -451,7 +424,7 @@ def test_files_and_folders_are_fsynced_before_the_rename_that_publishes(tmp_path
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(naming, "_exchange", exchange)
-    accelerator, *_ = _setup()
+    accelerator, *_ = prepared_model_optimizer_scheduler()
     for _ in range(2):  # a new folder, then a replacement (exchange)
         events.clear()
         target = accelerator.save_state(tmp_path / "ck")
@@ -465,172 +438,6 @@ def test_files_and_folders_are_fsynced_before_the_rename_that_publishes(tmp_path
     for e in events:  # every single-file write went to a temporary name, synced before its rename
         if e[0] == "rename" and e[1].endswith(".tmp") and "/." in e[1]:
             assert ("fsync", e[1]) in events[: events.index(e)]
-
-
-# ----------------------------------------------------- 8. another number of processes; issue 16
-def _save_on_ranks(root: str) -> list:
-    accelerator, model, optimizer, scheduler = _setup()
-    accelerator.save_state(Path(root) / "ck")
-    return [torch.get_rng_state(), _weights(accelerator, model)]
-
-
-def test_two_process_checkpoint_loads_into_one_with_a_warning(tmp_path):
-    saved = run_on_ranks(_save_on_ranks, world_size=2, args=(str(tmp_path),))
-    accelerator, model, *_ = _setup()
-    torch.manual_seed(123)
-    with pytest.warns(UserWarning, match=r"saved by 2 processes and is loaded into 1: dropped .*random_states_1\.pkl"):
-        accelerator.load_state(tmp_path / "ck")
-    assert torch.equal(torch.get_rng_state(), saved[0][0])  # rank 0's generators
-    assert _same(_weights(accelerator, model), saved[0][1])
-
-
-def _load_on_ranks(folder: str) -> str:
-    accelerator, *_ = _setup()
-    try:
-        accelerator.load_state(folder)
-    except CheckpointError as exc:
-        return str(exc)
-    return "loaded"
-
-
-def _load_rng_on_ranks(folder: str) -> tuple:
-    import warnings
-
-    accelerator, *_ = _setup()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        accelerator.load_state(folder)
-    return torch.get_rng_state(), np.random.get_state()[1].copy(), [str(w.message) for w in caught]
-
-
-def test_a_one_process_checkpoint_loads_into_two_with_a_derived_generator_state(tmp_path):
-    import random
-    import zlib
-
-    accelerator, *_ = _setup()
-    folder = accelerator.save_state(tmp_path / "ck")
-    saved = torch.get_rng_state()
-    (rank0, numpy0, warned0), (rank1, numpy1, warned1) = run_on_ranks(_load_rng_on_ranks, world_size=2,
-                                                                      args=(str(folder),))
-    assert torch.equal(rank0, saved)  # process 0 restores its own file
-    # The documented rule: seed = crc32(str(rank), crc32(source's torch CPU state)), every generator seeded with it.
-    seed = zlib.crc32(b"1", zlib.crc32(saved.numpy().tobytes()))
-    assert torch.equal(rank1, torch.Generator().manual_seed(seed).get_state())
-    assert (numpy1 == np.random.RandomState(seed).get_state()[1]).all() and not (numpy1 == numpy0).all()
-    assert random.Random(seed).getstate() != random.Random(0).getstate()
-    assert len([w for w in warned0 if "saved by 1 processes and is loaded into 2" in w]) == 1 and "derive" in warned0[0]
-    assert not [w for w in warned1 if "saved by" in w]  # one line, from the main process
-
-
-def test_a_missing_random_states_file_is_named(tmp_path):
-    accelerator, *_ = _setup()
-    folder = accelerator.save_state(tmp_path / "ck")
-    (folder / "random_states_0.pkl").unlink()
-    with pytest.raises(CheckpointError, match=r"random_states_0.pkl is missing \(the manifest .* lists it\)"):
-        accelerator.load_state(folder)
-    (folder / "hasten_checkpoint.json").unlink()  # a checkpoint without manifest (Accelerate's, older hasten)
-    with pytest.raises(CheckpointError, match=r"random_states_0.pkl is missing .*no random_states_\*.pkl file at all"):
-        accelerator.load_state(folder)
-
-
-def test_a_save_killed_while_writing_files_is_cleaned_up_by_the_next_save(tmp_path):
-    accelerator, *_ = _setup()
-    staging = tmp_path / "ck.tmp"
-    staging.mkdir()
-    (staging / ".hasten_staging").touch()
-    (staging / ".model.safetensors.x1y2.tmp").write_bytes(b"half")  # an unfinished atomic write
-    accelerator.save_state(tmp_path / "ck")
-    assert sorted(os.listdir(tmp_path)) == ["ck"]
-    (tmp_path / "ck.old").mkdir()
-    (tmp_path / "ck.old" / "mine.txt").write_text("keep")
-    with pytest.raises(CheckpointError, match="ck.old exists"):
-        accelerator.save_state(tmp_path / "ck")
-    assert (tmp_path / "ck.old" / "mine.txt").read_text() == "keep"
-
-
-def _save_mid_epoch(root: str, iterable: bool = False, accumulation: int = 1) -> list[int]:
-    """Two batches of 2 per process (8 of 16 samples), then a save; returns the samples used (all ranks)."""
-    accelerator = Accelerator(gradient_accumulation_steps=accumulation)
-    data = torch.arange(16.0)
-    model = accelerator.prepare(nn.Linear(1, 1))
-    loader = accelerator.prepare(torch.utils.data.DataLoader(_Stream(data) if iterable else data, batch_size=2,
-                                                             shuffle=not iterable))
-    seen: list[int] = []
-    for i, batch in enumerate(loader):
-        with accelerator.accumulate(model):
-            accelerator.backward(model(batch[:, None]).sum())
-        seen += accelerator.gather(batch).long().tolist()
-        if i == accumulation:  # with accumulation 2: inside a window (3 micro-batches)
-            accelerator.save_state(Path(root) / "mid")
-            break
-    return seen
-
-
-class _Stream(torch.utils.data.IterableDataset):
-    def __init__(self, data):
-        self.data = data
-
-    def __iter__(self):
-        return iter(self.data)
-
-
-def _rest_on_ranks(folder: str, batch_size: int, iterable: bool = False) -> object:
-    accelerator = Accelerator()
-    data = torch.arange(16.0)
-    accelerator.prepare(nn.Linear(1, 1))
-    loader = accelerator.prepare(torch.utils.data.DataLoader(_Stream(data) if iterable else data,
-                                                             batch_size=batch_size, shuffle=not iterable))
-    try:
-        accelerator.load_state(folder)
-    except CheckpointError as exc:
-        return str(exc), loader.state_dict()["batches_yielded"]
-    return [int(v) for batch in loader for v in accelerator.gather(batch).long().tolist()]
-
-
-def test_a_mid_epoch_loader_position_continues_on_fewer_and_more_processes(tmp_path):
-    seen = run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path),))[0]
-    assert len(seen) == 8
-    for world, batch_size in ((1, 2), (4, 1), (3, 2)):  # 8 samples used: global batches 2, 4, 6
-        rest = run_on_ranks(_rest_on_ranks, world_size=world, args=(str(tmp_path / "mid"), batch_size))[0]
-        remaining = sorted(set(range(16)) - set(seen))
-        if world * batch_size == 6:  # 6 does not divide 8: the pass starts mid-batch; the end is padded, as
-            # the uninterrupted pass pads it, with the epoch's first samples
-            assert collections.Counter(rest) - collections.Counter(remaining) == collections.Counter(seen[:4]) and len(rest) == 12
-        else:
-            assert sorted(rest) == remaining, (world, batch_size)
-
-
-def test_a_mid_epoch_position_that_cannot_map_is_refused_on_every_rank_before_anything_changes(tmp_path):
-    run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path), True))
-    # 8 samples of a stream were used: 3 processes reading 1 sample each cannot start a pass at sample 8.
-    errors = run_on_ranks(_rest_on_ranks, world_size=3, args=(str(tmp_path / "mid"), 1, True))
-    assert errors[0] == errors[1] == errors[2]
-    message, position = errors[0]
-    assert "data loader #0: this data loader was saved 8 samples into its epoch" in message
-    assert "which its global batch size of 3 does not divide" in message and position == 0
-    rest = run_on_ranks(_rest_on_ranks, world_size=2, args=(str(tmp_path / "mid"), 2, True))[0]
-    assert rest == list(range(8, 16))  # the same layout continues
-
-
-def test_partial_gradients_and_old_mid_epoch_states_are_refused_on_another_count(tmp_path):
-    run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path / "window"), False, 2))
-    for world in (1, 3):
-        errors = run_on_ranks(_rest_on_ranks, world_size=world, args=(str(tmp_path / "window" / "mid"), 2))
-        assert all(e == errors[0] for e in errors)
-        assert "inside a gradient-accumulation window" in errors[0][0], errors[0]
-    # A state written by an older hasten: each process's batch count only.
-    run_on_ranks(_save_mid_epoch, world_size=2, args=(str(tmp_path / "old"),))
-    folder = tmp_path / "old" / "mid"
-    state = torch.load(folder / "dataloader_state.bin", weights_only=True)
-    for key in ("samples_yielded", "num_processes", "global_batch_size"):
-        del state[key]
-    state["version"] = 1
-    torch.save(state, folder / "dataloader_state.bin")
-    (folder / "hasten_checkpoint.json").unlink()
-    errors = run_on_ranks(_rest_on_ranks, world_size=1, args=(str(folder), 2))
-    assert "in the middle of an epoch by an older hasten" in errors[0][0]
-    rest = run_on_ranks(_rest_on_ranks, world_size=2, args=(str(folder), 2))[0]
-    assert len(rest) == 8  # on the same count the old state still loads
 
 
 def test_dcp_metadata_pointing_outside_its_folder_is_refused(tmp_path):

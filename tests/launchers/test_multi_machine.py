@@ -117,7 +117,8 @@ def test_a_machine_that_never_arrives_gives_a_rendezvous_timeout(tmp_path, prese
 @needs_netns
 def test_max_restarts_with_c10d_recovers_across_machines_from_the_newest_checkpoint(tmp_path):
     import torch
-    from test_elastic import SCRIPT  # the single-machine restart test's training script
+
+    from helpers.launch_scripts import RESUMING_TRAINER as SCRIPT  # the single-machine restart test's script
 
     script = tmp_path / "resume.py"
     script.write_text(SCRIPT)

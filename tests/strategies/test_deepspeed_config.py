@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import sys
-import time
 
 import pytest
 import torch
@@ -177,21 +176,3 @@ def _bad_prepare_cases() -> None:
 @pytest.mark.world_size(2, timeout=240)
 def test_bad_prepare_calls():
     _bad_prepare_cases()
-
-
-@pytest.mark.slow
-@pytest.mark.world_size(2, timeout=600)
-def test_zero3_cpu_optimizer_offload_matches_ddp():
-    """ZeRO-3 + optimizer offload: torch Adam becomes DeepSpeedCPUAdam (C++ extension, built on first use)."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    import test_deepspeed as base
-
-    from hasten.strategies.deepspeed import import_deepspeed
-
-    import_deepspeed("cpu")
-    reference = base._train(None)
-    start = time.perf_counter()
-    weights = base._train(DeepSpeedPlugin(zero_stage=3, offload_optimizer_device="cpu"))
-    print(f"ZeRO-3 + CPU Adam offload run (extension build included on first use): {time.perf_counter() - start:.1f}s")
-    # CPU Adam vectorises Adam's update (same formula, fused): rounding differences only.
-    assert base._max_diff(weights, reference) < 1e-5
