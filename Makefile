@@ -48,7 +48,7 @@ system-deps:
 	(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null 2>&1 \
 	  || echo "system-deps: could not install$$missing"
 
-# Aim, DVCLive, SwanLab and Trackio (tests/test_tracking_local.py): their packages pin older protobuf, pillow,
+# Aim, DVCLive, SwanLab and Trackio (tests/tracking/test_tracking_local.py): their packages pin older protobuf, pillow,
 # filelock and python-dateutil than .venv holds, and DVCLive brings DVC (~57 packages), so they get a venv of
 # their own. It sees .venv's packages (torch, hasten's deps) *behind* its own through a .pth file, so it only
 # adds those four (about 90 packages, 380 MB, 3 minutes on 2 loaded cores) and .venv is never downgraded:

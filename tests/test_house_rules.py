@@ -39,6 +39,21 @@ FACADES = {"hasten", "hasten.utils", "hasten.utils.operations", "hasten.utils.tq
 # No import runs upward, not even inside a function: this set stays empty (a pair here would be a
 # (module, imported) exception with its reason, to be moved down before the next release).
 UPWARD_ALLOWED: set[tuple[str, str]] = set()
+# Accelerate's module paths that show names hasten defines on a higher floor (``hasten/_accelerate_paths.py``'s
+# ``PATHS``; each face's ``__getattr__`` imports a routed name from its one definition on first use). They exist
+# because ``accelerate.X`` *is* ``hasten.X`` (the ``sys.modules`` alias), so the ground module must show what
+# Accelerate's shows. No hasten module takes a routed name through a face (checked below), so these routes serve
+# user code only; a new face that climbs needs its reason here.
+ACCELERATE_PATH_FACES = {
+    "hasten.base.dataclasses": "accelerate.utils.dataclasses holds the DeepSpeed/FSDP plugins and the TP/CP "
+                               "configs (config/) and TensorInformation (ops/)",
+    "hasten.base.deepspeed": "accelerate.utils.deepspeed holds the engine and optimizer/scheduler wrappers "
+                             "(strategies/, optim) and the plugin's helpers (config/)",
+    "hasten.base.imports": "accelerate.utils.imports holds deepspeed_required, a decorator over the state "
+                           "(state_helpers)",
+    "hasten.base.modeling": "accelerate.utils.modeling holds device maps, offload and dtype sizes (big_modeling/)",
+    "hasten.checkpointing": "accelerate.checkpointing holds save/load_accelerator_state and save_custom_state",
+}
 ENV_ALLOWED = ("config/env.py", "environments/", "base/environment.py", "launchers/", "commands/", "testing/",
                "test_utils/",
                "strategies/deepspeed.py", "base/deepspeed_runtime.py")
@@ -183,6 +198,8 @@ def _facade_exports(known: set[str]) -> dict[str, dict[str, str]]:
     tables = {}
     for name in ("hasten", "hasten.utils", "hasten.utils.operations", "hasten.launchers"):
         tables[name] = dict(importlib.import_module(name)._EXPORTS)
+    for face, routes in importlib.import_module("hasten._accelerate_paths").PATHS.items():
+        tables.setdefault(face, {}).update(routes)  # Accelerate's path table: a name's route from its face
     return tables
 
 
@@ -194,6 +211,24 @@ def test_no_import_circle():
     graph = {module: _module_imports(module, code, known, exports) for module, code in sources.items()}
     circles = _import_circles(graph)
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_accelerate_path_routes_are_counted():
+    """Accelerate's path table routes names from a face to their definition, upward only from the declared
+    faces, and no hasten module takes a routed name through a face (an import that would climb unseen by
+    ``test_layering``, which reads module names only)."""
+    from hasten._accelerate_paths import PATHS
+
+    climbing = {face for face, routes in PATHS.items()
+                if any(_layer(target) > _layer(face) for target in routes.values())}
+    assert climbing == set(ACCELERATE_PATH_FACES), "faces whose routes climb: declare each in ACCELERATE_PATH_FACES"
+    through_face = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in PATHS:
+                through_face += [f"{_module_name(path)}:{node.lineno} takes {alias.name} through {node.module}"
+                                 for alias in node.names if alias.name in PATHS[node.module]]
+    assert not through_face, through_face
 
 
 def test_circle_finder_sees_every_kind_of_import():

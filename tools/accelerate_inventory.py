@@ -1,4 +1,4 @@
-"""Write Accelerate's public API inventory to ``tests/data/accelerate_inventory.json``.
+"""Write Accelerate's public API inventory to ``tests/fixtures/accelerate_inventory.json``.
 
 Run with an interpreter that has Accelerate installed (a separate venv, so hasten's own stays clean)::
 
@@ -6,8 +6,8 @@ Run with an interpreter that has Accelerate installed (a separate venv, so haste
 
 ``modules`` lists every importable module of Accelerate with the public names it defines, constants
 and enum members with their values, classes with their public class attributes and dataclass defaults
-(``tests/test_accelerate_modules.py`` checks hasten's same paths against them); ``shown`` lists, per
-module, the Accelerate names it re-exports from another module (``tests/test_accelerate_inventory.py``).
+(``tests/accelerate_compat/test_accelerate_modules.py`` checks hasten's same paths against them); ``shown`` lists, per
+module, the Accelerate names it re-exports from another module (``tests/accelerate_compat/test_accelerate_inventory.py``).
 
 One row per public name: its module (Accelerate's path), name, kind (class, function, constant,
 method, staticmethod, classmethod, property) and parameter names. Methods of Accelerate's own
@@ -16,7 +16,7 @@ in the committed file and kept when the table is regenerated. With ``--examples`
 lists the example scripts of Accelerate's repository that import or call that name.
 
 It also records each ``accelerate`` subcommand's options (``cli_options``), which
-``tests/test_cli_parity.py`` checks ``hasten``'s against. ``tests/test_accelerate_inventory.py`` reads
+``tests/accelerate_compat/test_cli_parity.py`` checks ``hasten``'s against. ``tests/accelerate_compat/test_accelerate_inventory.py`` reads
 the names and checks hasten against them.
 """
 
@@ -35,7 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "accelerate_inventory.json"
+OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "accelerate_inventory.json"
 
 # Modules whose every Accelerate-owned public name counts (facades that collect names from elsewhere).
 FACADE_MODULES = ["accelerate", "accelerate.utils", "accelerate.test_utils", "accelerate.accelerator"]

@@ -15,10 +15,10 @@ part() {  # part NAME SECONDS CMD...
 }
 PYTEST=($PY -m pytest -q -p no:cacheprovider --basetemp=$PWD/.tmp/pytest -o addopts="-ra --strict-markers -p hasten.testing.pytest_plugin")
 part contract_cuda 160 "${PYTEST[@]}" tests/strategies/test_contract_cuda.py
-part cuda_single 120 "${PYTEST[@]}" tests/test_cuda_single.py
+part cuda_single 120 "${PYTEST[@]}" tests/strategies/test_cuda_single.py
 # Forked gloo ranks cannot follow CUDA autograd in the same process ("autograd's threading in combination
 # with fork"): the files with forked multi-rank tests run in a pytest process of their own.
-part forked_ranks 100 "${PYTEST[@]}" tests/test_precision_accumulation.py
-part device_aware 100 "${PYTEST[@]}" --maxfail=20 tests/test_dropin.py tests/test_memory.py tests/test_fp8.py tests/test_big_modeling.py
+part forked_ranks 100 "${PYTEST[@]}" tests/precision/test_precision_accumulation.py
+part device_aware 100 "${PYTEST[@]}" --maxfail=20 tests/accelerate_compat/test_accelerate_long_tail.py tests/base/test_memory.py tests/precision/test_fp8.py tests/big_modeling/test_big_modeling.py
 part hasten_env 20 $PY -m hasten.commands.main env
 cat "$OUT/summary.txt"

@@ -1,4 +1,4 @@
-"""Write the Accelerate names that Transformers, TRL, PEFT and diffusers use to ``tests/data/hf_stack_names.json``.
+"""Write the Accelerate names that Transformers, TRL, PEFT and diffusers use to ``tests/fixtures/hf_stack_names.json``.
 
 Run with an interpreter that has those packages installed (``make hf-venv`` builds one)::
 
@@ -12,7 +12,7 @@ It reads their installed sources (never imports them) and records, per name, whi
   ``accelerator.state.<attr>`` reads (kind ``state``);
 * keyword arguments of calls to a name imported from ``accelerate`` (kind ``keyword``, name ``Callee.kwarg``).
 
-``tests/test_hf_stack_names.py`` checks that each exists in hasten at the same path. The ``refused``, ``note`` and
+``tests/accelerate_compat/test_hf_stack_names.py`` checks that each exists in hasten at the same path. The ``refused``, ``note`` and
 ``not_accelerate`` (a false match: another object named ``accelerator``) fields are maintained by hand in the
 committed file and kept when the table is regenerated.
 """
@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "hf_stack_names.json"
+OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf_stack_names.json"
 PACKAGES = ("transformers", "trl", "peft", "diffusers")
 # Objects Accelerate's users hold under these names: reads of their attributes are rows.
 ACCELERATOR_NAMES = {"accelerator"}

@@ -24,7 +24,7 @@ import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-#: The Accelerate release whose public API hasten mirrors (``tests/data/accelerate_inventory.json``).
+#: The Accelerate release whose public API hasten mirrors (``tests/fixtures/accelerate_inventory.json``).
 ACCELERATE_VERSION = "1.15.0"
 
 _ALIAS = "accelerate"

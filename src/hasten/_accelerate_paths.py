@@ -4,7 +4,7 @@ defines elsewhere (Accelerate's ``accelerate.utils.modeling`` holds what hasten 
 Each hasten module at one of Accelerate's paths ends with
 ``__getattr__ = accelerate_path_getattr(__name__, globals())``: a name missing there is looked up here and
 imported from its one definition on first use (no second copy; ``import hasten`` stays cheap, because
-nothing here is imported before a name is asked for). ``tests/test_accelerate_modules.py`` checks the
+nothing here is imported before a name is asked for). ``tests/accelerate_compat/test_accelerate_modules.py`` checks the
 paths against Accelerate's own modules.
 """
 

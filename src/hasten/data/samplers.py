@@ -1,7 +1,7 @@
 """Samplers that shard a data loader across processes: ``BatchSamplerShard``, ``SeedableRandomSampler``,
 ``SkipBatchSampler``.
 
-The index assignment is Accelerate's, table for table (see ``tests/test_data_samplers.py``). For the
+The index assignment is Accelerate's, table for table (see ``tests/data/test_data_samplers.py``). For the
 common case (a plain ``torch.utils.data.BatchSampler`` over a sequential or random sampler) the indices
 of a whole epoch are drawn at once and this process's batches are cut out of them by slicing, instead
 of walking every index of every process through Python generators; the result is the same list of

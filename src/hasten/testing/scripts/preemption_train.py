@@ -1,6 +1,6 @@
 """A small training run that can be preempted mid-epoch and resumed: the preemption tests' workload.
 
-Used two ways: ``tests/test_preemption.py`` runs :func:`train` on forked ranks (it executes this file's
+Used two ways: ``tests/environments/test_preemption.py`` runs :func:`train` on forked ranks (it executes this file's
 text), and ``hasten launch`` / a SLURM batch job runs it as a script::
 
     hasten launch preemption_train.py PROJECT OUT [MARKER]

@@ -1,0 +1,102 @@
+"""Transformers' Trainer, TRL and PEFT run on hasten unchanged (tiny models from configs, synthetic data, no hub).
+
+They run in the Hugging Face venv ``make test`` builds (trl, peft, datasets; no Accelerate): under
+``hasten launch`` its workers install hasten as ``accelerate``; plain ``python`` scripts call
+``hasten.install_as_accelerate()`` first. Each test is one subprocess (importing transformers costs seconds),
+so each script checks several things and reports them in one line.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers.hf_stack import ROOT, accelerate_python, hasten_launch, hf_python, run
+
+pytestmark = pytest.mark.launch
+
+SCRIPTS = Path(__file__).resolve().parent / "hf_scripts"
+TRAINER = str(SCRIPTS / "tiny_trainer.py")
+
+
+def _result(out):
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, out[-3000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def _check_run(result, processes, precision):
+    assert result["processes"] == processes and result["mixed_precision"] == precision
+    assert sorted(result["losses"], key=int) == ["1", "2", "3", "4", "5", "6"]
+    # resumed mid-epoch from checkpoint-3: the same losses and bit-identical final weights
+    assert result["resumed_losses"] == {k: v for k, v in result["losses"].items() if int(k) > 3}
+    assert result["resume_equal"] is True
+    assert result["prediction_shape"] == [22, 2]  # every sample predicted once (uneven last batch on 2 ranks)
+    assert result["eval_loss"] > 0
+
+
+def test_walkthrough_trainer_subclass_under_notebook_launcher(tmp_path):
+    out = run([hf_python(), str(ROOT / "examples" / "mnist_trainer.py"), "--train_size", "128"], tmp_path)
+    assert "processes=2 steps=1/1" in out
+
+
+def test_trainer_under_hasten_launch_two_processes_bf16(tmp_path):
+    result = _result(hasten_launch(tmp_path, "--cpu", "--num_processes", "2", "--mixed_precision", "bf16", TRAINER,
+                                   "--dropout", "0.1"))  # exact resume with dropout: the RNG stream is restored
+    _check_run(result["default"], processes=2, precision="bf16")
+    assert (tmp_path / "out" / "default" / "final" / "model.safetensors").is_file()
+
+
+def test_trainer_under_plain_python(tmp_path):
+    result = _result(run([hf_python(), TRAINER, "--alias"], tmp_path))
+    _check_run(result["default"], processes=1, precision="no")
+
+
+def test_trainer_fsdp2_both_state_dict_types_and_resume(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text("distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\nmixed_precision: 'no'\nfsdp_config:\n"
+                      "  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                      "  fsdp_transformer_layer_cls_to_wrap: BertLayer\n")
+    result = _result(hasten_launch(tmp_path, "--config_file", str(config), TRAINER,
+                                   "--state_dict_types", "SHARDED_STATE_DICT,FULL_STATE_DICT"))
+    for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        _check_run(result[kind], processes=2, precision="no")
+    assert result["SHARDED_STATE_DICT"]["losses"] == result["FULL_STATE_DICT"]["losses"]
+    # Accelerate's file layout, written by save_fsdp_model / save_fsdp_optimizer
+    sharded = tmp_path / "out" / "SHARDED_STATE_DICT" / "checkpoint-3"
+    assert (sharded / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert (sharded / "optimizer_0" / ".metadata").is_file()
+    full = tmp_path / "out" / "FULL_STATE_DICT" / "checkpoint-3"
+    assert (full / "pytorch_model_fsdp.bin").is_file() and (full / "optimizer.bin").is_file()
+
+
+@pytest.fixture(scope="module")
+def peft_trl_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("peft-trl")
+    return run([hf_python(), str(SCRIPTS / "peft_trl.py"), str(folder)], folder)
+
+
+@pytest.mark.parametrize("section", ["lora_resume", "sft_plain", "sft_packing", "sft_lora", "dpo_grpo_import",
+                                     "disk_offload"])
+def test_peft_and_trl(section, peft_trl_run):
+    assert f"OK {section}" in peft_trl_run
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_same_losses_as_accelerate_with_dropout(tmp_path, processes):
+    """The same script, switched from Accelerate 1.15 to hasten: every logged loss is bit-identical."""
+    args = [TRAINER, "--no_resume", "--dropout", "0.1"]
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "hasten").mkdir()
+    if processes == 1:
+        theirs = run([accelerate_python(), *args], tmp_path / "accelerate")
+        ours = run([hf_python(), *args, "--alias"], tmp_path / "hasten")
+    else:
+        # Accelerate's CPU processes under torchrun (free port), with the variable `accelerate launch --cpu` sets
+        theirs = run([accelerate_python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                      *args], tmp_path / "accelerate", ACCELERATE_USE_CPU="True")
+        ours = hasten_launch(tmp_path / "hasten", "--cpu", "--num_processes", "2", *args)
+    theirs, ours = _result(theirs)["default"], _result(ours)["default"]
+    assert theirs["processes"] == ours["processes"] == processes
+    assert ours["losses"] == theirs["losses"]
+    assert ours["eval_loss"] == theirs["eval_loss"]

@@ -1,0 +1,14 @@
+"""The suite's root: makes ``tests/helpers`` importable from every test folder.
+
+Test files never import each other; what several of them share lives in ``tests/helpers/`` (plain
+functions and constants) or in ``hasten.testing`` (the harness: forked ranks, the pytest plugin's
+fixtures). pytest's default ``prepend`` import mode puts each test file's own folder on ``sys.path``;
+this file adds ``tests/`` itself, so ``from helpers.checkpoints import ...`` works from any folder.
+"""
+
+import sys
+from pathlib import Path
+
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)

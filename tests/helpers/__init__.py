@@ -1,0 +1,1 @@
+"""Helpers shared by several test files (one module per concern); see ``tests/conftest.py``."""
