@@ -42,6 +42,7 @@ from hasten.strategies.pipeline_checkpoint import (
     optimizer_layout,
     stage_optimizer_state,
 )
+from hasten.strategies.pipeline_nd import full_value, local_part, shard_stage, shards_stages
 from hasten.strategies.pipeline_split import cut_stage
 
 
@@ -279,6 +280,8 @@ class PipelineStrategy(Strategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in kept]
+        if shards_stages(self.config):  # PP x FSDP2: the stage sharded over its dp_shard sub-mesh
+            model = shard_stage(model, self.config, self.device_mesh, optimizers)
         runner = _PipelineRunner(model, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
@@ -322,7 +325,7 @@ class PipelineStrategy(Strategy):
         if accumulation_steps != runner.accumulation_steps:
             raise ConfigurationError(f"gradient_accumulation_steps changed from {runner.accumulation_steps} (at prepare) "
                                      f"to {accumulation_steps}: under pp_size > 1 set it before prepare.")
-        if sync and self.config.dp_replicate_enabled:
+        if sync and self.config.dp_replicate_enabled and not shards_stages(self.config):  # else FSDP2 reduced
             self._average_over_replicas(runner.module)
 
     def _average_over_replicas(self, module: nn.Module) -> None:
@@ -342,7 +345,8 @@ class PipelineStrategy(Strategy):
         """Clip by the total norm over every stage's gradients (this stage's norm reduced over ``pp``)."""
         grads = [p.grad for p in parameters if p.grad is not None]
         norm_type = float(norm_type)
-        local = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+        local = (full_value(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
+                                                     norm_type))  # sharded gradients: the norm over their shards
                  if grads else torch.zeros((), device=self.device))
         group = self.device_mesh["pp"].get_group()
         if norm_type == float("inf"):
@@ -354,7 +358,7 @@ class PipelineStrategy(Strategy):
             total = powered.pow(1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
-            grad.mul_(coefficient.to(grad.device))
+            local_part(grad).mul_(coefficient.to(grad.device))
         return total
 
     # ---------------------------------------------------------------------------------- checkpoints

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten.exceptions import CheckpointError
+from hasten.strategies.pipeline_nd import full_value
 
 #: Per optimizer: per parameter group, the full model's names of its parameters (before the cut).
 OptimizerLayout = list[list[str]]
@@ -42,7 +43,7 @@ def optimizer_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Opti
 
 def full_weights(stage: nn.Module, group: Any) -> dict[str, torch.Tensor]:
     """Every stage's weights, merged, on every process of ``group`` (a collective)."""
-    mine = {key: value.detach().cpu() for key, value in stage.state_dict().items()}
+    mine = {key: full_value(value.detach()).cpu() for key, value in stage.state_dict().items()}  # sharded: gathered
     parts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)
     merged: dict[str, torch.Tensor] = {}
