@@ -76,3 +76,87 @@ def test_pp2_x_data_parallel_2_equals_one_process_over_ten_steps(dimension):
             assert torch.allclose(weights[name], weight, rtol=0, atol=1e-5), (dimension, name)
     mean_losses = [(a + b) / 2 for a, b in zip(by_replica[0], by_replica[1])]
     assert mean_losses == pytest.approx(want_losses, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+CKPT_STEPS, SAVE_AFTER = 6, 2  # save mid-epoch, after the third batch of six
+
+
+def _layout(world: int, pipeline: int) -> tuple[object, int]:
+    """The run's config and each process's rows per batch: pp_size=pipeline, the rest on dp_shard."""
+    from hasten import ParallelismConfig
+
+    shards = world // pipeline
+    if pipeline == 1:
+        return ParallelismConfig(dp_shard_size=shards), BATCH // shards
+    return (ParallelismConfig(pp_size=pipeline, dp_shard_size=shards, pp_microbatches=4 // shards,
+                              pp_split_points=SPLITS[pipeline]), BATCH // shards)
+
+
+def _checkpointed(pipeline: int, phase: str, folder: str):
+    """``phase`` "save": all steps, ``save_state`` after step SAVE_AFTER, ``save_model`` at the end; "load":
+    ``load_state`` first (the loader resumes mid-epoch). Returns (data-parallel rank, losses of the steps
+    after the save, the full model's weights)."""
+    from hasten import Accelerator
+    from hasten.state import PartialState
+
+    config, rows = _layout(PartialState().num_processes, pipeline)
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data(CKPT_STEPS)), batch_size=rows)
+    extra = {"loss_fn": F.mse_loss} if pipeline > 1 else {}
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader, **extra)
+    if phase == "load":
+        accelerator.load_state(folder)
+    losses = []
+    for step, (x, y) in enumerate(loader, start=SAVE_AFTER + 1 if phase == "load" else 0):
+        loss = model(x, labels=y) if pipeline > 1 else F.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step > SAVE_AFTER:
+            losses.append(loss.item())
+        if phase == "save" and step == SAVE_AFTER:
+            accelerator.save_state(folder)
+    if phase == "save":
+        accelerator.save_model(model, folder + "-model")  # the full model, from every stage's shards
+    mesh = accelerator.torch_device_mesh
+    return int(mesh.get_local_rank("dp_shard")), losses, accelerator.get_state_dict(model)
+
+
+def _global_losses(results) -> list[float]:
+    """Each step's loss over the whole batch: the mean of the data-parallel ranks' losses."""
+    by_rank = {dp: losses for dp, losses, _ in results}
+    return [sum(step) / len(step) for step in zip(*by_rank.values())]
+
+
+@pytest.mark.parametrize(("load_on", "pipeline"), [(4, 4), (2, 1)])
+def test_a_pp2_x_fsdp2_checkpoint_resumes_mid_epoch_on_another_pp_size_as_the_uninterrupted_run(load_on, pipeline,
+                                                                                                 tmp_path):
+    """Saved by PP2 x FSDP2(2) on 4 processes: one DCP checkpoint under the full model's names, resumed by
+    pure PP4 on 4 processes and by FSDP2 without pipeline (pp_size 1) on 2."""
+    from safetensors.torch import load_file
+
+    from hasten.checkpointing import dcp
+
+    folder = str(tmp_path / "checkpoint")
+    saved = run_on_ranks(_checkpointed, world_size=4, args=(2, "save", folder))
+    want_weights = saved[0][2]
+    _, reference_weights = _reference(CKPT_STEPS)
+    model_keys = sorted(dcp.saved_tensor_shapes(dcp.model_dir(tmp_path / "checkpoint", 0), "model"))
+    assert model_keys == sorted(reference_weights)  # one checkpoint, the full model's names
+    written = load_file(os.path.join(folder + "-model", "model.safetensors"))
+    assert sorted(written) == sorted(reference_weights)
+    for name, weight in reference_weights.items():  # save_model: the single-process model
+        assert torch.equal(written[name], want_weights[name]), name
+        assert torch.allclose(written[name], weight, rtol=0, atol=1e-5), name
+    resumed = run_on_ranks(_checkpointed, world_size=load_on, args=(pipeline, "load", folder))
+    assert _global_losses(resumed) == pytest.approx(_global_losses(saved), rel=1e-6)
+    gathered = [weights for _, _, weights in resumed if weights]  # FSDP2 gathers onto the main process only
+    assert gathered
+    for weights in gathered:
+        assert sorted(weights) == sorted(want_weights)
+        for name, weight in want_weights.items():
+            assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name
