@@ -100,8 +100,15 @@ def _checkpointed(pipeline: int, phase: str, folder: str):
     from hasten import Accelerator
     from hasten.state import PartialState
 
-    config, rows = _layout(PartialState().num_processes, pipeline)
-    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    world = PartialState().num_processes
+    config, rows = _layout(world, pipeline)
+    if world == 1:  # FSDP2 on one process (its sharded checkpoints are DCP folders too)
+        from hasten import FullyShardedDataParallelPlugin
+
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"),
+                                  cpu=True)
+    else:
+        accelerator = Accelerator(parallelism_config=config, cpu=True)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data(CKPT_STEPS)), batch_size=rows)
@@ -122,8 +129,7 @@ def _checkpointed(pipeline: int, phase: str, folder: str):
             accelerator.save_state(folder)
     if phase == "save":
         accelerator.save_model(model, folder + "-model")  # the full model, from every stage's shards
-    mesh = accelerator.torch_device_mesh
-    return int(mesh.get_local_rank("dp_shard")), losses, accelerator.get_state_dict(model)
+    return accelerator.process_index % (world // pipeline), losses, accelerator.get_state_dict(model)
 
 
 def _global_losses(results) -> list[float]:
@@ -132,27 +138,31 @@ def _global_losses(results) -> list[float]:
     return [sum(step) / len(step) for step in zip(*by_rank.values())]
 
 
-@pytest.mark.parametrize(("load_on", "pipeline"), [(4, 4), (2, 1)])
-def test_a_pp2_x_fsdp2_checkpoint_resumes_mid_epoch_on_another_pp_size_as_the_uninterrupted_run(load_on, pipeline,
-                                                                                                 tmp_path):
-    """Saved by PP2 x FSDP2(2) on 4 processes: one DCP checkpoint under the full model's names, resumed by
-    pure PP4 on 4 processes and by FSDP2 without pipeline (pp_size 1) on 2."""
+@pytest.mark.parametrize(("saved_on", "load_on"), [((4, 2), (4, 4)), ((4, 2), (2, 1)), ((4, 2), (1, 1)),
+                                                  ((2, 2), (4, 2))],
+                         ids=["pp2xfsdp2-to-pp4", "pp2xfsdp2-to-fsdp2", "pp2xfsdp2-to-one-process-fsdp2",
+                              "pp2-files-to-pp2xfsdp2"])
+def test_a_pp2_checkpoint_resumes_mid_epoch_on_another_layout_as_the_uninterrupted_run(saved_on, load_on, tmp_path):
+    """(processes, pp_size), the rest of the processes on dp_shard. PP2 x FSDP2(2) saves one DCP checkpoint
+    under the full model's names, resumed by pure PP4, by FSDP2 without pipeline (pp_size 1) on 2 processes and
+    on 1; pure PP2 saves the single-process files, resumed by PP2 x FSDP2(2)."""
     from safetensors.torch import load_file
 
     from hasten.checkpointing import dcp
 
     folder = str(tmp_path / "checkpoint")
-    saved = run_on_ranks(_checkpointed, world_size=4, args=(2, "save", folder))
+    saved = run_on_ranks(_checkpointed, world_size=saved_on[0], args=(saved_on[1], "save", folder))
     want_weights = saved[0][2]
     _, reference_weights = _reference(CKPT_STEPS)
-    model_keys = sorted(dcp.saved_tensor_shapes(dcp.model_dir(tmp_path / "checkpoint", 0), "model"))
-    assert model_keys == sorted(reference_weights)  # one checkpoint, the full model's names
+    if saved_on[0] > saved_on[1]:  # sharded stages: one DCP checkpoint, the full model's names
+        model_keys = sorted(dcp.saved_tensor_shapes(dcp.model_dir(tmp_path / "checkpoint", 0), "model"))
+        assert model_keys == sorted(reference_weights)
     written = load_file(os.path.join(folder + "-model", "model.safetensors"))
     assert sorted(written) == sorted(reference_weights)
     for name, weight in reference_weights.items():  # save_model: the single-process model
         assert torch.equal(written[name], want_weights[name]), name
         assert torch.allclose(written[name], weight, rtol=0, atol=1e-5), name
-    resumed = run_on_ranks(_checkpointed, world_size=load_on, args=(pipeline, "load", folder))
+    resumed = run_on_ranks(_checkpointed, world_size=load_on[0], args=(load_on[1], "load", folder))
     assert _global_losses(resumed) == pytest.approx(_global_losses(saved), rel=1e-6)
     gathered = [weights for _, _, weights in resumed if weights]  # FSDP2 gathers onto the main process only
     assert gathered

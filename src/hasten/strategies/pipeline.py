@@ -37,6 +37,7 @@ from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
 from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_single_process_files
 from hasten.strategies.pipeline_checkpoint import (
+    check_shapes,
     check_sharded,
     full_optimizer_state,
     full_weights,
@@ -421,7 +422,10 @@ class PipelineStrategy(Strategy):
         if strict and unknown:
             raise CheckpointError(f"{path} holds keys the model does not have: {unknown[:8]}. Nothing was loaded.")
         mine = {key: value for key, value in saved.items() if key in stage.state_dict()}
-        ckpt.check_model_weights(stage, mine, path, strict=strict)
+        if shards_stages(self.config):  # DTensor parameters: names and global shapes
+            check_shapes(stage, mine, path)
+        else:
+            ckpt.check_model_weights(stage, mine, path, strict=strict)
         optimizer_states = []
         for i, optimizer in enumerate(optimizers):
             file = folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))

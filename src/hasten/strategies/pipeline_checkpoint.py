@@ -179,6 +179,21 @@ def check_sharded(stage: nn.Module, optimizers: list[torch.optim.Optimizer], lay
                               "loaded.")
 
 
+def check_shapes(stage: nn.Module, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse full ``weights`` that lack a tensor of this (sharded) stage or hold one of another global shape.
+
+    Raises:
+        CheckpointError: naming the file and the keys.
+    """
+    expected = {key: tuple(value.shape) for key, value in stage.state_dict().items()}
+    missing = sorted(set(expected) - set(weights))
+    wrong = [f"{key}: saved {tuple(weights[key].shape)} vs model {shape}" for key, shape in expected.items()
+             if key in weights and tuple(weights[key].shape) != shape]
+    if missing or wrong:
+        raise CheckpointError(f"{path} does not match this pipeline stage: missing keys {missing[:8]}, shape "
+                              f"mismatches {wrong[:8]}. Nothing was loaded.")
+
+
 def _bytes_keys(path: Path, prefix: str) -> list[str]:
     """The keys under ``prefix`` of a DCP folder's non-tensor items, without the prefix."""
     lead = prefix + "."
@@ -229,5 +244,5 @@ def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
-__all__ = ["OptimizerLayout", "check_sharded", "full_optimizer_state", "full_weights", "load_sharded",
+__all__ = ["OptimizerLayout", "check_shapes", "check_sharded", "full_optimizer_state", "full_weights", "load_sharded",
            "load_full_into_sharded", "named_stage_optimizer_state", "optimizer_layout", "save_sharded", "stage_optimizer_state"]
