@@ -78,6 +78,81 @@ def test_pp2_x_data_parallel_2_equals_one_process_over_ten_steps(dimension):
     assert mean_losses == pytest.approx(want_losses, rel=1e-5)
 
 
+# ------------------------------------------------------------------------------------------ PP x TP
+def _tp_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 16), nn.Tanh(),
+                         nn.Linear(16, 4))
+
+
+TP_PLAN = {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}  # each stage: one colwise/rowwise pair
+
+
+def _pp_tp_loop():
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.parallelism_config import TorchTensorParallelConfig
+
+    config = ParallelismConfig(pp_size=2, tp_size=2, pp_microbatches=2, pp_split_points=["4"],
+                               tp_handler=TorchTensorParallelConfig(tp_plan=TP_PLAN))
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _tp_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=BATCH)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=F.mse_loss)
+    losses = []
+    for x, y in loader:  # the two tensor-parallel ranks of a stage read the same batch
+        loss = model(x, labels=y)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    stage = accelerator.unwrap_model(model)
+    split = [name for name, p in stage.named_parameters() if "tp" in (p.device_mesh.mesh_dim_names or ())
+             and p.to_local().shape != p.shape]
+    return losses, accelerator.get_state_dict(model), split
+
+
+def test_pp2_x_tp2_equals_one_process_over_ten_steps():
+    model = _tp_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    want_losses = []
+    for x, y in zip(*(tensor.split(BATCH) for tensor in _data())):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        want_losses.append(loss.item())
+    for losses, weights, split in run_on_ranks(_pp_tp_loop, world_size=4):
+        assert len(split) >= 3  # the stage's colwise weight and bias and rowwise weight are split over tp
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert sorted(weights) == sorted(model.state_dict())
+        for name, weight in model.named_parameters():
+            assert torch.allclose(weights[name], weight.detach(), rtol=0, atol=1e-5), name
+
+
+def _unknown_tp_pattern():
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.exceptions import ConfigurationError
+    from hasten.parallelism_config import TorchTensorParallelConfig
+
+    config = ParallelismConfig(pp_size=2, tp_size=2, pp_microbatches=2, pp_split_points=["4"],
+                               tp_handler=TorchTensorParallelConfig(tp_plan={**TP_PLAN, "9": "colwise"}))
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _tp_model()
+    try:
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss)
+    except ConfigurationError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_tp_pattern_matching_no_module_of_any_stage_is_refused_on_every_process():
+    for message in run_on_ranks(_unknown_tp_pattern, world_size=4):
+        assert "tp_plan patterns ['9'] match no module of Sequential on any pipeline stage" in message
+
+
 # ---------------------------------------------------------------------------------------- checkpoints
 CKPT_STEPS, SAVE_AFTER = 6, 2  # save mid-epoch, after the third batch of six
 
