@@ -132,6 +132,48 @@ def test_pp2_x_tp2_equals_one_process_over_ten_steps():
             assert torch.allclose(weights[name], weight.detach(), rtol=0, atol=1e-5), name
 
 
+def _tp_checkpoint(phase: str, folder: str):
+    """"save": PP2 x TP2 trains 3 steps and saves; "load": pure PP4 loads. Both return the full weights and
+    the next step's loss."""
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.parallelism_config import TorchTensorParallelConfig
+
+    if phase == "save":
+        config = ParallelismConfig(pp_size=2, tp_size=2, pp_microbatches=2, pp_split_points=["4"],
+                                   tp_handler=TorchTensorParallelConfig(tp_plan=TP_PLAN))
+    else:
+        config = ParallelismConfig(pp_size=4, pp_microbatches=4, pp_split_points=["2", "4", "6"])
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _tp_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    model, optimizer = accelerator.prepare(model, optimizer, loss_fn=F.mse_loss)
+    batches = list(zip(*(tensor.split(BATCH) for tensor in _data(4))))
+    if phase == "load":
+        accelerator.load_state(folder)
+    for x, y in batches[:3] if phase == "save" else []:
+        accelerator.backward(model(x, labels=y))
+        optimizer.step()
+        optimizer.zero_grad()
+    if phase == "save":
+        accelerator.save_state(folder)
+    weights = accelerator.get_state_dict(model)
+    loss = model(*batches[3][:1], labels=batches[3][1])
+    accelerator.backward(loss)
+    optimizer.step()
+    return weights, loss.item(), accelerator.get_state_dict(model)
+
+
+def test_a_pp2_x_tp2_checkpoint_resumes_on_pure_pp4(tmp_path):
+    folder = str(tmp_path / "checkpoint")
+    saved = run_on_ranks(_tp_checkpoint, world_size=4, args=("save", folder))[0]
+    for weights, loss, after in run_on_ranks(_tp_checkpoint, world_size=4, args=("load", folder)):
+        assert sorted(weights) == sorted(saved[0])
+        for name in saved[0]:
+            assert torch.equal(weights[name], saved[0][name]), name
+            assert torch.allclose(after[name], saved[2][name], rtol=0, atol=1e-6), name  # optimizer state too
+        assert loss == pytest.approx(saved[1], rel=1e-6)
+
+
 def _unknown_tp_pattern():
     from hasten import Accelerator, ParallelismConfig
     from hasten.exceptions import ConfigurationError
