@@ -242,9 +242,10 @@ def _checkpointed(pipeline: int, phase: str, folder: str):
         optimizer.zero_grad()
         if step > SAVE_AFTER:
             losses.append(loss.item())
-        if phase == "save" and step == SAVE_AFTER:
-            accelerator.save_state(folder)
-    if phase == "save":
+        if phase.startswith("save") and step == SAVE_AFTER:  # "save-async": written while training goes on
+            accelerator.save_state(folder, async_save=phase == "save-async")
+    if phase.startswith("save"):
+        accelerator.wait_for_checkpoint()
         accelerator.save_model(model, folder + "-model")  # the full model, from every stage's shards
     return accelerator.process_index % (world // pipeline), losses, accelerator.get_state_dict(model)
 
@@ -255,20 +256,21 @@ def _global_losses(results) -> list[float]:
     return [sum(step) / len(step) for step in zip(*by_rank.values())]
 
 
-@pytest.mark.parametrize(("saved_on", "load_on"), [((4, 2), (4, 4)), ((4, 2), (2, 1)), ((4, 2), (1, 1)),
-                                                  ((2, 2), (4, 2))],
-                         ids=["pp2xfsdp2-to-pp4", "pp2xfsdp2-to-fsdp2", "pp2xfsdp2-to-one-process-fsdp2",
+@pytest.mark.parametrize(("saved_on", "load_on", "save"), [((4, 2), (4, 4), "save"), ((4, 2), (2, 1), "save-async"),
+                                                          ((4, 2), (1, 1), "save"), ((2, 2), (4, 2), "save")],
+                         ids=["pp2xfsdp2-to-pp4", "pp2xfsdp2-async-to-fsdp2", "pp2xfsdp2-to-one-process-fsdp2",
                               "pp2-files-to-pp2xfsdp2"])
-def test_a_pp2_checkpoint_resumes_mid_epoch_on_another_layout_as_the_uninterrupted_run(saved_on, load_on, tmp_path):
+def test_a_pp2_checkpoint_resumes_mid_epoch_on_another_layout_as_the_uninterrupted_run(saved_on, load_on, save,
+                                                                                        tmp_path):
     """(processes, pp_size), the rest of the processes on dp_shard. PP2 x FSDP2(2) saves one DCP checkpoint
-    under the full model's names, resumed by pure PP4, by FSDP2 without pipeline (pp_size 1) on 2 processes and
-    on 1; pure PP2 saves the single-process files, resumed by PP2 x FSDP2(2)."""
+    under the full model's names (once asynchronously), resumed by pure PP4, by FSDP2 without pipeline
+    (pp_size 1) on 2 processes and on 1; pure PP2 saves the single-process files, resumed by PP2 x FSDP2(2)."""
     from safetensors.torch import load_file
 
     from hasten.checkpointing import dcp
 
     folder = str(tmp_path / "checkpoint")
-    saved = run_on_ranks(_checkpointed, world_size=saved_on[0], args=(saved_on[1], "save", folder))
+    saved = run_on_ranks(_checkpointed, world_size=saved_on[0], args=(saved_on[1], save, folder))
     want_weights = saved[0][2]
     _, reference_weights = _reference(CKPT_STEPS)
     if saved_on[0] > saved_on[1]:  # sharded stages: one DCP checkpoint, the full model's names
