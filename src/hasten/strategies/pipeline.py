@@ -50,7 +50,6 @@ from hasten.strategies.pipeline_checkpoint import (
 from hasten.strategies.pipeline_nd import full_value, local_part, shard_stage, shards_stages
 from hasten.strategies.pipeline_split import cut_stage
 
-
 #: ``CheckedState.models`` of a DCP checkpoint: :meth:`PipelineStrategy.load` reads the shards itself.
 _DCP = "dcp"
 

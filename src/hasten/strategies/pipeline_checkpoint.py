@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,7 @@ def _named_state(stage: nn.Module, optimizer: torch.optim.Optimizer,
 
     state: dict[str, Any]
     if _holds_parameters(stage):
-        state = get_optimizer_state_dict(stage, optimizer)
+        state = cast(dict[str, Any], get_optimizer_state_dict(stage, optimizer))
     else:  # a stage of parameter-free modules (torch's helper refuses an empty state): the groups alone
         state = {"state": {}, "param_groups": [{**group, "params": []} for group in optimizer.param_groups]}
     own = [list(group["params"]) for group in state["param_groups"]]
@@ -231,7 +231,7 @@ def load_full_into_sharded(stage: nn.Module, weights: dict[str, torch.Tensor], o
     )
 
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(stage, weights, options=options)
+    set_model_state_dict(stage, cast(dict[str, Any], weights), options=options)
     for optimizer, state in zip(optimizers, states):
         set_optimizer_state_dict(stage, optimizer, named_stage_optimizer_state(state, stage, optimizer), options=options)
 
