@@ -27,55 +27,65 @@ def _data(steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(steps * BATCH, 8, generator=generator), torch.randn(steps * BATCH, 4, generator=generator)
 
 
-def _reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The loop in one process without hasten: per-step losses and the final weights."""
+def _reference(steps: int = STEPS, accumulation: int = 1) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The loop in one process without hasten: per-batch losses and the final weights."""
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     losses = []
-    for x, y in zip(*(tensor.split(BATCH) for tensor in _data(steps))):
+    for index, (x, y) in enumerate(zip(*(tensor.split(BATCH) for tensor in _data(steps)))):
         loss = F.mse_loss(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
+        (loss / accumulation).backward()
+        if (index + 1) % accumulation == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _composed(dimension: str):
-    """PP2 x (dp_shard 2 | dp_replicate 2): each data-parallel rank reads half of every step's batch."""
+DATA_PARALLEL = {"dp_shard": {"dp_shard_size": 2}, "dp_replicate": {"dp_replicate_size": 2},
+                 "hsdp": {"dp_replicate_size": 2, "dp_shard_size": 2}}
+
+
+def _composed(dimension: str, accumulation: int):
+    """PP2 x (dp_shard 2 | dp_replicate 2 | both): each data-parallel rank reads its share of every step's batch."""
     from hasten import Accelerator, ParallelismConfig
 
-    config = ParallelismConfig(pp_size=2, pp_microbatches=2, pp_split_points=SPLITS[2], **{f"{dimension}_size": 2})
-    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    sizes = DATA_PARALLEL[dimension]
+    config = ParallelismConfig(pp_size=2, pp_microbatches=2, pp_split_points=SPLITS[2], **sizes)
+    accelerator = Accelerator(parallelism_config=config, cpu=True, gradient_accumulation_steps=accumulation)
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=BATCH // 2)
+    shares = config.data_parallel_size
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_data()), batch_size=BATCH // shares)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=F.mse_loss)
     losses = []
     for x, y in loader:
-        loss = model(x, labels=y)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):
+            loss = model(x, labels=y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
-    mesh = accelerator.torch_device_mesh
-    return int(mesh.get_local_rank(dimension)), losses, accelerator.get_state_dict(model)
+    return int(accelerator.torch_device_mesh.get_local_rank("dp")), losses, accelerator.get_state_dict(model)
 
 
-@pytest.mark.parametrize("dimension", ["dp_shard", "dp_replicate"])
-def test_pp2_x_data_parallel_2_equals_one_process_over_ten_steps(dimension):
-    want_losses, want_weights = _reference()
-    results = run_on_ranks(_composed, world_size=4, args=(dimension,))
+@pytest.mark.parametrize(("dimension", "accumulation", "world"),
+                         [("dp_shard", 1, 4), ("dp_shard", 2, 4), ("dp_replicate", 1, 4), ("hsdp", 1, 8)])
+def test_pp2_x_data_parallel_equals_one_process_over_ten_steps(dimension, accumulation, world):
+    """PP2 x FSDP2(2) (also with accumulation 2), PP2 x DDP2, and PP2 x HSDP(2 x 2) on 8 processes."""
+    want_losses, want_weights = _reference(accumulation=accumulation)
+    results = run_on_ranks(_composed, world_size=world, args=(dimension, accumulation))
     by_replica: dict[int, list[float]] = {}
     for dp, losses, weights in results:
         by_replica[dp] = losses
         assert sorted(weights) == sorted(want_weights)  # the full model, gathered from the stages' shards
         for name, weight in want_weights.items():
             assert torch.allclose(weights[name], weight, rtol=0, atol=1e-5), (dimension, name)
-    mean_losses = [(a + b) / 2 for a, b in zip(by_replica[0], by_replica[1])]
-    assert mean_losses == pytest.approx(want_losses, rel=1e-5)
+    mean_losses = [sum(step) / len(step) for step in zip(*by_replica.values())]
+    assert len(by_replica) == world // 2 and mean_losses == pytest.approx(want_losses, rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ PP x TP
