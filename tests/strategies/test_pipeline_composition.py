@@ -299,3 +299,31 @@ def test_a_pp2_checkpoint_resumes_mid_epoch_on_another_layout_as_the_uninterrupt
         assert sorted(weights) == sorted(want_weights)
         for name, weight in want_weights.items():
             assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name
+
+
+def _load_into_another_model(folder: str):
+    """PP2 x FSDP2(2) with layers of other widths loads a checkpoint of ``_model``: refused, nothing changed."""
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.exceptions import CheckpointError
+
+    config = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_microbatches=2, pp_split_points=["2"])
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    model, optimizer = accelerator.prepare(model, optimizer, loss_fn=F.mse_loss)
+    before = accelerator.get_state_dict(model)
+    try:
+        accelerator.load_state(folder)
+    except CheckpointError as error:
+        after = accelerator.get_state_dict(model)
+        return str(error), all(torch.equal(before[name], after[name]) for name in before)
+    return "no error", False
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(tmp_path):
+    folder = str(tmp_path / "checkpoint")
+    run_on_ranks(_checkpointed, world_size=4, args=(2, "save", folder))
+    for message, unchanged in run_on_ranks(_load_into_another_model, world_size=4, args=(folder,)):
+        assert "does not match this pipeline stage" in message and "shape mismatches" in message
+        assert unchanged
