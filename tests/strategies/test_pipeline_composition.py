@@ -176,6 +176,12 @@ def _tp_checkpoint(phase: str, folder: str):
 def test_a_pp2_x_tp2_checkpoint_resumes_on_pure_pp4(tmp_path):
     folder = str(tmp_path / "checkpoint")
     saved = run_on_ranks(_tp_checkpoint, world_size=4, args=("save", folder))[0]
+    from safetensors.torch import load_file
+
+    from hasten.checkpointing.dcp import merge_sharded_weights
+
+    merged = load_file(merge_sharded_weights(folder, tmp_path / "merged")[0])  # hasten merge-weights, one process
+    assert sorted(merged) == sorted(saved[0]) and all(torch.equal(merged[k], v) for k, v in saved[0].items())
     for weights, loss, after in run_on_ranks(_tp_checkpoint, world_size=4, args=("load", folder)):
         assert sorted(weights) == sorted(saved[0])
         for name in saved[0]:
