@@ -273,14 +273,16 @@ def _global_losses(results) -> list[float]:
 
 
 @pytest.mark.parametrize(("saved_on", "load_on", "save"), [((4, 2), (4, 4), "save"), ((4, 2), (2, 1), "save-async"),
-                                                          ((4, 2), (1, 1), "save"), ((2, 2), (4, 2), "save")],
+                                                          ((4, 2), (1, 1), "save"), ((2, 2), (4, 2), "save"),
+                                                          ((2, 1), (4, 2), "save")],
                          ids=["pp2xfsdp2-to-pp4", "pp2xfsdp2-async-to-fsdp2", "pp2xfsdp2-to-one-process-fsdp2",
-                              "pp2-files-to-pp2xfsdp2"])
+                              "pp2-files-to-pp2xfsdp2", "fsdp2-to-pp2xfsdp2"])
 def test_a_pp2_checkpoint_resumes_mid_epoch_on_another_layout_as_the_uninterrupted_run(saved_on, load_on, save,
                                                                                         tmp_path):
     """(processes, pp_size), the rest of the processes on dp_shard. PP2 x FSDP2(2) saves one DCP checkpoint
     under the full model's names (once asynchronously), resumed by pure PP4, by FSDP2 without pipeline
-    (pp_size 1) on 2 processes and on 1; pure PP2 saves the single-process files, resumed by PP2 x FSDP2(2)."""
+    (pp_size 1) on 2 processes and on 1; pure PP2 saves the single-process files, resumed by PP2 x FSDP2(2);
+    FSDP2 without pipeline on 2 processes saves DCP, resumed by PP2 x FSDP2(2)."""
     from safetensors.torch import load_file
 
     from hasten.checkpointing import dcp
