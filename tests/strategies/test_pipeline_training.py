@@ -146,10 +146,10 @@ def test_pipeline_fields_come_from_the_launch_block_and_bad_ones_are_refused():
         ParallelismConfig(pp_size=2, pp_microbatches=1)
     with pytest.raises(ConfigurationError, match="several stages per process"):
         ParallelismConfig(pp_size=2, pp_schedule="Interleaved1F1B")
-    with pytest.raises(ConfigurationError, match="composes with replication"):
-        ParallelismConfig(pp_size=2, dp_shard_size=2).validate(4)
-    with pytest.raises(ConfigurationError, match="composes with replication"):
-        ParallelismConfig(pp_size=2, tp_size=2).validate(4)
+    ParallelismConfig(pp_size=2, dp_shard_size=2).validate(4)  # PP x FSDP2 (tests/strategies/test_pipeline_composition)
+    ParallelismConfig(pp_size=2, tp_size=2).validate(4)  # PP x TP (tests/strategies/test_pipeline_composition)
+    with pytest.raises(ConfigurationError, match="not with context parallelism"):
+        ParallelismConfig(pp_size=2, cp_size=2).validate(4)
 
 
 def _refusal(case: str, folder: str):

@@ -198,6 +198,17 @@ def _write_shards(state: dict[str, Any], path: Path, group: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- sharded save / load
+def save_state_dict(state: dict[str, Any], path: Path, *, sink: Sink = ATOMIC) -> None:
+    """Every rank writes its part of ``state`` (any DCP state dict) to the DCP folder ``path`` through ``sink``;
+    ranks may hold different keys (pipeline stages), and identical ones are written once."""
+    _dcp_save(state, path, sink)
+
+
+def load_state_dict(state: dict[str, Any], path: Path) -> None:
+    """Every rank reads the keys of ``state`` (in place) from the DCP folder ``path``; the folder may hold more."""
+    _dcp_load(state, path)
+
+
 def save_model(model: nn.Module, path: Path, *, sink: Sink = ATOMIC) -> None:
     """Every rank writes its shards of ``model`` to the DCP folder ``path`` (an asynchronous save's sink: stages them)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -339,4 +350,4 @@ merge_fsdp_weights = merge_sharded_weights
 __all__ = ["MODEL_DIR", "OPTIMIZER_DIR", "check_full_optimizer_state", "check_model_folder", "check_optimizer_folder", "full_model_state", "full_optimizer_state",
            "is_dcp_folder", "load_full_model_state", "load_full_optimizer_state", "load_model", "load_optimizer",
            "merge_fsdp_weights", "merge_sharded_weights", "model_dir", "optimizer_dir", "read_full_state", "read_metadata", "save_model",
-           "save_optimizer", "saved_tensor_shapes"]
+           "load_state_dict", "save_optimizer", "save_state_dict", "saved_tensor_shapes"]

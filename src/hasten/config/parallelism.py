@@ -113,7 +113,8 @@ class ParallelismConfig:
         tp_handler: :class:`TorchTensorParallelConfig` (hasten adds its ``tp_plan``).
         cp_handler: :class:`TorchContextParallelConfig`.
         sp_handler: kept for compatibility (``sp_size`` is refused above 1).
-        pp_size: pipeline stages (hasten; one stage per process). Composes with ``dp_replicate_size`` only so far.
+        pp_size: pipeline stages (hasten; one stage per process). Composes with ``dp_replicate_size``,
+            ``dp_shard_size`` (each stage sharded with FSDP2) and ``tp_size`` (on each stage's modules).
         pp_schedule: ``"GPipe"`` or ``"1F1B"`` (default); the multi-stage schedules are refused for now.
         pp_microbatches: micro-batches per batch (default ``pp_size``; at least ``pp_size``).
         pp_split_points: module names where stages 1..pp_size-1 begin (``pp_size - 1`` of them).
@@ -326,11 +327,11 @@ class ParallelismConfig:
                 f"It needs {product} = {self.total_size} processes, but the run has {num_processes}. "
                 "Make the product of dp_replicate_size, dp_shard_size, tp_size, cp_size and pp_size equal the number "
                 "of processes (`hasten launch --num_processes`).")
-        if self.pp_enabled and (self.dp_shard_enabled or self.tp_enabled or self.cp_enabled):
+        if self.pp_enabled and self.cp_enabled:
             raise ConfigurationError(
-                f"pp_size={self.pp_size} with {self}: pipeline parallelism composes with replication "
-                "(dp_replicate_size) only so far, not with sharding, tensor or context parallelism; set dp_shard_size, "
-                "tp_size and cp_size to 1.")
+                f"pp_size={self.pp_size} with {self}: pipeline parallelism composes with replication, sharding and "
+                "tensor parallelism (dp_replicate_size, dp_shard_size, tp_size) so far, not with context "
+                "parallelism; set cp_size to 1.")
         if device_type is None:
             return
         if self.cp_enabled and device_type != "cuda":

@@ -134,6 +134,10 @@ def _transformers_plan(model: nn.Module) -> dict[str, Any]:
     return dict(base_plan)
 
 
+#: The plan a transformers model carries (``_tp_plan``, else its config's ``base_model_tp_plan``), or ``{}``.
+transformers_tp_plan = _transformers_plan
+
+
 def check_tp_plan(model: nn.Module, plan: dict[str, Any], tp_size: int) -> None:
     """Refuse a plan whose split dimensions ``tp_size`` does not divide (same answer on every rank).
 
@@ -181,4 +185,4 @@ def to_parallel_styles(plan: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["NDParallelStrategy", "check_tp_plan", "resolve_tp_plan", "to_parallel_styles"]
+__all__ = ["NDParallelStrategy", "check_tp_plan", "resolve_tp_plan", "to_parallel_styles", "transformers_tp_plan"]

@@ -30,19 +30,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hasten.checkpointing import files as ckpt, restore_checks as checks
+from hasten.checkpointing import dcp as sharded, files as ckpt, restore_checks as checks
 from hasten.checkpointing.sinks import Sink
 from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
 from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_single_process_files
 from hasten.strategies.pipeline_checkpoint import (
+    check_shapes,
+    check_sharded,
     full_optimizer_state,
     full_weights,
+    load_full_into_sharded,
+    load_sharded,
     optimizer_layout,
+    save_sharded,
     stage_optimizer_state,
 )
+from hasten.strategies.pipeline_nd import full_value, local_part, shard_stage, shards_stages
 from hasten.strategies.pipeline_split import cut_stage
+
+#: ``CheckedState.models`` of a DCP checkpoint: :meth:`PipelineStrategy.load` reads the shards itself.
+_DCP = "dcp"
 
 
 class PipelinedModel(nn.Module):
@@ -279,6 +288,8 @@ class PipelineStrategy(Strategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in kept]
+        if shards_stages(self.config):  # PP x FSDP2: the stage sharded over its dp_shard sub-mesh
+            model = shard_stage(model, self.config, self.device_mesh, optimizers)
         runner = _PipelineRunner(model, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
@@ -322,7 +333,7 @@ class PipelineStrategy(Strategy):
         if accumulation_steps != runner.accumulation_steps:
             raise ConfigurationError(f"gradient_accumulation_steps changed from {runner.accumulation_steps} (at prepare) "
                                      f"to {accumulation_steps}: under pp_size > 1 set it before prepare.")
-        if sync and self.config.dp_replicate_enabled:
+        if sync and self.config.dp_replicate_enabled and not shards_stages(self.config):  # else FSDP2 reduced
             self._average_over_replicas(runner.module)
 
     def _average_over_replicas(self, module: nn.Module) -> None:
@@ -342,7 +353,8 @@ class PipelineStrategy(Strategy):
         """Clip by the total norm over every stage's gradients (this stage's norm reduced over ``pp``)."""
         grads = [p.grad for p in parameters if p.grad is not None]
         norm_type = float(norm_type)
-        local = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+        local = (full_value(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
+                                                     norm_type))  # sharded gradients: the norm over their shards
                  if grads else torch.zeros((), device=self.device))
         group = self.device_mesh["pp"].get_group()
         if norm_type == float("inf"):
@@ -354,7 +366,7 @@ class PipelineStrategy(Strategy):
             total = powered.pow(1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
-            grad.mul_(coefficient.to(grad.device))
+            local_part(grad).mul_(coefficient.to(grad.device))
         return total
 
     # ---------------------------------------------------------------------------------- checkpoints
@@ -377,35 +389,62 @@ class PipelineStrategy(Strategy):
         return full_weights(self.unwrap(model), self._pp_group())
 
     def weights_for_save(self, models: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+        if shards_stages(self.config):
+            return []  # sharded stages write their own shards (nothing gathered)
         return [self.model_state_dict(model) for model in models]
 
     def save(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
              weights: list[dict[str, torch.Tensor]], writer: bool, safe_serialization: bool = True,
              sink: Sink, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         """The writer stores the full weights and the optimizers in the single-process format (no engine
-        options: :meth:`engine_checkpoint_kwargs` refused any before the save started)."""
+        options: :meth:`engine_checkpoint_kwargs` refused any before the save started); sharded stages
+        (PP x FSDP2) write one DCP checkpoint instead, every process its shards."""
         stage = self.unwrap(models[0])
+        if shards_stages(self.config):
+            save_sharded(stage, optimizers, [self._layout(opt) for opt in optimizers], folder, sink)
+            return
         states = [full_optimizer_state(stage, opt, self._layout(opt), self._pp_group()) for opt in optimizers]
         if writer:
             write_single_process_files(folder, weights, states, safe_serialization, sink)
 
     def check(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path, *,
               strict: bool = True, map_location: Any = "cpu") -> CheckedState:
-        """Read the full checkpoint; keep this stage's weights and its optimizer state, re-indexed."""
+        """Read the full checkpoint; keep this stage's weights and its optimizer state, re-indexed. A DCP
+        checkpoint (saved by sharded stages, or by FSDP2 without pipeline) is checked here, read in :meth:`load`."""
         stage = self.unwrap(models[0])
+        if sharded.model_dir(folder, 0).is_dir():
+            check_sharded(stage, optimizers, [self._layout(opt) for opt in optimizers], self._full_keys, folder,
+                          strict=strict)
+            return CheckedState(models=_DCP)
         path, saved = ckpt.read_model_weights(folder, 0)
         unknown = sorted(set(saved) - self._full_keys)
         if strict and unknown:
             raise CheckpointError(f"{path} holds keys the model does not have: {unknown[:8]}. Nothing was loaded.")
         mine = {key: value for key, value in saved.items() if key in stage.state_dict()}
-        ckpt.check_model_weights(stage, mine, path, strict=strict)
+        if shards_stages(self.config):  # DTensor parameters: names and global shapes
+            check_shapes(stage, mine, path)
+        else:
+            ckpt.check_model_weights(stage, mine, path, strict=strict)
         optimizer_states = []
         for i, optimizer in enumerate(optimizers):
             file = folder / ckpt.OPTIMIZER.format(suffix=ckpt.suffix(i))
             state = stage_optimizer_state(ckpt.torch_load(file, map_location), stage, optimizer, self._layout(optimizer))
             checks.check_optimizer_state(optimizer, state, file)
             optimizer_states.append(state)
+        if shards_stages(self.config):  # full tensors into sharded parameters: load() places them
+            return CheckedState(models=(mine, optimizer_states))
         return CheckedState(optimizer_states=optimizer_states, models=[mine])
+
+    def load(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], folder: Path,
+             checked: CheckedState, *, strict: bool = True, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+        """Load what :meth:`check` accepted: DCP shards, full tensors into a sharded stage, or (base) the weights."""
+        stage = self.unwrap(models[0])
+        if checked.models is _DCP:
+            load_sharded(stage, optimizers, [self._layout(opt) for opt in optimizers], folder)
+        elif isinstance(checked.models, tuple):
+            load_full_into_sharded(stage, checked.models[0], optimizers, checked.models[1])
+        else:
+            super().load(models, optimizers, folder, checked, strict=strict, engine_kwargs=engine_kwargs)
 
     def accumulated_gradients(self, model: nn.Module) -> dict[str, torch.Tensor]:
         raise CheckpointError("save_state inside an accumulation window is not available under pp_size > 1 yet: "
