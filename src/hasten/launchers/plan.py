@@ -61,13 +61,19 @@ class LaunchOptions:
     check_network: bool = False
     #: seconds the agent waits for workers stopping on a signal before SIGKILL (torchrun's ``--shutdown_timeout``)
     preemption_grace: float | None = None
+    #: ``--replica_groups``: an existing Lighthouse (``host:port``); None: the launcher starts one
+    lighthouse: str | None = None
+    #: ``--replica_groups``: the timeouts (``hasten.fault_tolerance.FaultToleranceConfig``); None: the defaults
+    fault_tolerance: Any = None
+    #: ``--replica_groups``: restarts of lost groups before the others go on without them (None: 3)
+    group_restarts: int | None = None
 
 
 @dataclass
 class LaunchPlan:
     """What ``hasten launch`` will do; ``describe()`` is the ``--dry_run`` output."""
 
-    launcher: str  # "process", "torchrun", "mpirun" or "slurm-task"
+    launcher: str  # "process", "torchrun", "mpirun", "slurm-task" or "replica-groups"
     config: LaunchConfig
     command: list[str]
     env: dict[str, str]
@@ -383,6 +389,10 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
         plan.node_rank = 0
     if launcher == "mpirun":
         _wrap_in_mpirun(plan, hostfile, env)
+    if config.replica_groups is not None:
+        from hasten.launchers.replica_groups import plan_replica_groups
+
+        plan_replica_groups(plan, options)
     return plan
 
 
