@@ -9,7 +9,6 @@ The prepared optimizers then step only when the quorum commits; prepared data lo
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from hasten.accelerator._base import AcceleratorBase
@@ -22,10 +21,11 @@ if TYPE_CHECKING:
 
 def resolve_fault_tolerance(value: Any) -> FaultToleranceConfig | None:
     """The settings from ``Accelerator(fault_tolerance=...)`` (a config, True, or None: the launch's)."""
-    from hasten.fault_tolerance.timeouts import FAULT_TOLERANCE_VAR, FaultToleranceConfig
+    from hasten.config.env import FAULT_TOLERANCE_VAR, replica_group_env
+    from hasten.fault_tolerance.timeouts import FaultToleranceConfig
 
     if value is None or value is False:
-        text = os.environ.get(FAULT_TOLERANCE_VAR) if value is None else None
+        text = replica_group_env().get(FAULT_TOLERANCE_VAR) if value is None else None
         return FaultToleranceConfig.from_json(text) if text else None
     if value is True:
         return FaultToleranceConfig()
@@ -51,16 +51,16 @@ class FaultToleranceMixin(AcceleratorBase):
             for optimizer in self._optimizers:  # prepared by a later prepare() call
                 optimizer._replica_group = self._replica_group
             return self._replica_group
-        from hasten.config.env import COLLECTIVE_TIMEOUT_VAR
+        from hasten.config.env import collective_timeout
         from hasten.fault_tolerance.replica import ReplicaGroup
 
         assert self._fault_tolerance is not None
         if len(self._optimizers) > 1:
             raise ConfigurationError("fault tolerance commits one optimizer step per quorum: prepare one optimizer "
                                      f"(got {len(self._optimizers)}).")
-        given = os.environ.get(COLLECTIVE_TIMEOUT_VAR)
+        given = collective_timeout()
         group = ReplicaGroup(self._fault_tolerance, self._replica_state, self._load_replica_state, self.device,
-                             float(given) if given else None)
+                             given.total_seconds() if given is not None else None)
         self._replica_group = group
         for optimizer in self._optimizers:
             optimizer._replica_group = group

@@ -321,6 +321,10 @@ def launch_command(args: argparse.Namespace) -> int:
                                      "one on CPU.")
         options = options_from_args(args)
         plan = build_plan(resolve_config(args, os.environ), options, os.environ)
+        if plan.config.replica_groups is not None:  # checked here, before anything starts
+            from hasten.launchers.replica_groups import plan_replica_groups
+
+            plan_replica_groups(plan, options)
     except (ConfigurationError, LaunchError) as exc:
         print(f"hasten launch: error: {exc}", file=sys.stderr)
         return 2

@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    watcher = threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True)
+    def stop_when_stdin_closes() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    watcher = threading.Thread(target=stop_when_stdin_closes, daemon=True)
     watcher.start()
     stop.wait()
     server.shutdown()

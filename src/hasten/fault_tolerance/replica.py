@@ -15,34 +15,32 @@ fault tolerance is on.
 
 from __future__ import annotations
 
-import os
 import random
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
 import torch
 
-from hasten.exceptions import ConfigurationError
-from hasten.fault_tolerance.timeouts import (
+from hasten.config.env import (
     FAULT_TOLERANCE_VAR,
     LIGHTHOUSE_VAR,
     NUM_REPLICA_GROUPS_VAR,
     REPLICA_GROUP_VAR,
-    FaultToleranceConfig,
-    Timeouts,
+    replica_group_env,
 )
+from hasten.exceptions import ConfigurationError
+from hasten.fault_tolerance.timeouts import FaultToleranceConfig, Timeouts
 
 #: The key of hasten's state in torchft's healing checkpoint.
 STATE_KEY = "hasten"
 
 
-def config_from_env(env: dict[str, str] | None = None) -> FaultToleranceConfig | None:
+def config_from_env(env: Mapping[str, str] | None = None) -> FaultToleranceConfig | None:
     """The launch's fault-tolerance settings (``hasten launch --replica_groups N``), or None outside one."""
-    env = dict(os.environ) if env is None else env
-    text = env.get(FAULT_TOLERANCE_VAR)
+    text = replica_group_env(env).get(FAULT_TOLERANCE_VAR)
     return FaultToleranceConfig.from_json(text) if text else None
 
 
@@ -71,13 +69,14 @@ class ReplicaGroup:
                  collective_timeout: float | None = None) -> None:
         torchft = _import_torchft()
         self.timeouts: Timeouts = config.timeouts(collective_timeout)
-        lighthouse = config.lighthouse or os.environ.get(LIGHTHOUSE_VAR)
+        launch = replica_group_env()
+        lighthouse = config.lighthouse or launch.get(LIGHTHOUSE_VAR)
         if not lighthouse:
             raise ConfigurationError("fault tolerance needs a Lighthouse: launch with `hasten launch --replica_groups "
                                      f"N` (it starts one), or set {LIGHTHOUSE_VAR}=http://host:port / "
                                      "FaultToleranceConfig(lighthouse=...).")
-        self.group_id = int(os.environ.get(REPLICA_GROUP_VAR, "0"))
-        self.num_groups = int(os.environ.get(NUM_REPLICA_GROUPS_VAR, "1"))
+        self.group_id = int(launch.get(REPLICA_GROUP_VAR, "0"))
+        self.num_groups = int(launch.get(NUM_REPLICA_GROUPS_VAR, "1"))
         step = timedelta(seconds=self.timeouts.step)
         if device.type == "cuda":
             pg = torchft.ProcessGroupNCCL(timeout=step)

@@ -14,15 +14,9 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from hasten.config.env import FAULT_TOLERANCE_VAR, LIGHTHOUSE_VAR, NUM_REPLICA_GROUPS_VAR, REPLICA_GROUP_VAR
 from hasten.exceptions import ConfigurationError
 
-#: The worker variable that carries the launch's fault-tolerance settings (JSON of FaultToleranceConfig).
-FAULT_TOLERANCE_VAR = "HASTEN_FAULT_TOLERANCE"
-#: This process's replica group and the number of groups (set by ``hasten launch --replica_groups N``).
-REPLICA_GROUP_VAR = "HASTEN_REPLICA_GROUP"
-NUM_REPLICA_GROUPS_VAR = "HASTEN_NUM_REPLICA_GROUPS"
-#: torchft's own variable: the Lighthouse address (``http://host:port``).
-LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
 #: Default seconds one step's collectives may take before a peer counts as failed.
 DEFAULT_STEP_TIMEOUT = 30.0
 #: hasten's collective watchdog default (``--collective_timeout``), used when none is given.

@@ -389,10 +389,6 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
         plan.node_rank = 0
     if launcher == "mpirun":
         _wrap_in_mpirun(plan, hostfile, env)
-    if config.replica_groups is not None:
-        from hasten.launchers.replica_groups import plan_replica_groups
-
-        plan_replica_groups(plan, options)
     return plan
 
 
