@@ -1,8 +1,8 @@
 """``hasten launch --replica_groups N``: N independent replica groups and a Lighthouse (torchft).
 
 The launch's ``--num_processes`` (the total, as everywhere) is split into N groups of equal size. Each group is
-a torchrun agent of its own (its own rendezvous and store, on a free port), forked from this launcher, which
-never imports torch itself. A group that exits non-zero is started again (same group id) while another group is
+a torchrun agent of its own (its own rendezvous and store, on a free port), forked from this launcher once it
+has imported torchrun's agent (and torch with it), so that a restarted group does not import them again. A group that exits non-zero is started again (same group id) while another group is
 still training and the restart budget lasts; it heals from a live peer in its first quorum. When every group
 has finished, the Lighthouse is stopped, so that no late group forms a quorum alone and trains on.
 """
@@ -147,7 +147,7 @@ class _Groups:
         self.plan, self.options, self.lighthouse = plan, options, lighthouse
         self.finished: list[int] = []  # groups that completed the run (exit 0)
         self.running: dict[int, Any] = {}
-        self.context = multiprocessing.get_context("fork")  # this launcher has not imported torch
+        self.context = multiprocessing.get_context("fork")  # torch is imported, no thread is started yet
         self.restarts_left = GROUP_RESTARTS if options.group_restarts is None else options.group_restarts
 
     def start(self, group: int) -> None:
@@ -224,6 +224,12 @@ def run_replica_groups(plan: LaunchPlan, options: LaunchOptions) -> int:
         print(f"hasten launch: error: {exc}", file=sys.stderr)
         return 2
     groups = _Groups(plan, options, lighthouse)
+    # torchrun's agent, imported once here: every group (and every restart of one) is forked with it loaded,
+    # which saves a restarted group the agent's torch import (seconds on a loaded machine). Importing torch
+    # starts no thread, so forking afterwards is as safe as a DataLoader's workers are.
+    import torch.distributed.run  # noqa: F401
+
+    import hasten.launchers.torchrun  # noqa: F401
 
     def stop_on_signal(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(signum)
