@@ -7,9 +7,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from hasten.exceptions import ConfigurationError
 from hasten.fault_tolerance.data import ReplicaGroupLoader
 
 
@@ -27,6 +29,7 @@ class _Group:
     def __init__(self) -> None:
         self.manager = _Manager()
         self.index, self.participants, self.num_groups = 0, 1, 2
+        self.steps_committed = self.steps_retried = 0  # the optimizer steps taken (a loader's micro-batch clock)
 
     def cursor(self) -> tuple[int, int, int]:
         return self.manager.committed, self.index, self.participants
@@ -67,12 +70,16 @@ def _run_epoch(size: int, schedule: dict[int, Any]) -> tuple[Counter[int], int]:
         if all(batch is None for batch in batches.values()):
             return seen, step
         assert None not in batches.values(), "every live group ends the epoch at the same step"
+        for g in live:  # every live group steps: a vote that commits, or one that does not
+            if event == "drop":
+                groups[g].steps_retried += 1
+            else:
+                groups[g].steps_committed += 1
+                groups[g].manager.committed += len(live)
         if event != "drop":
             for ids, padded in batches.values():
                 if not padded:
                     seen.update(ids)
-            for g in live:
-                groups[g].manager.committed += len(live)
         step += 1
 
 
@@ -98,6 +105,35 @@ def test_ragged_end_pads_and_says_so() -> None:
         ids.append(batch.tolist())
         padded.append(loader.padded)
         group.manager.committed += 1
+        group.steps_committed += 1
     assert padded == [False, False, True]
     assert sorted(sum(ids[:2], []) + ids[2][:1]) == list(range(5))
     assert loader.epoch == 1 and loader.epoch_start == 3
+
+
+def test_accumulation_reads_consecutive_micro_batches_once() -> None:
+    group = _Group()
+    group.participants = 2
+    loaders = [ReplicaGroupLoader(DataLoader(TensorDataset(torch.arange(32)), batch_size=2), lambda g=g: g, 0, 1,
+                                  None, accumulation_steps=lambda: 2) for g in (group, _Group())]
+    other = loaders[1]._replica_group()
+    other.index, other.participants = 1, 2
+    iterators, seen = [iter(loader) for loader in loaders], []
+    for _step in range(4):
+        for _micro in range(2):
+            for iterator in iterators:
+                seen.extend(next(iterator)[0].tolist())
+        for g in (group, other):  # optimizer.step(): one commit per step, over both participants
+            g.steps_committed += 1
+            g.manager.committed += 2
+    assert sorted(seen) == list(range(32))
+    assert all(next(iterator, None) is None for iterator in iterators)
+
+
+def test_batches_without_an_optimizer_step_are_refused() -> None:
+    group = _Group()
+    loader = ReplicaGroupLoader(DataLoader(TensorDataset(torch.arange(32)), batch_size=2), lambda: group, 0, 1, None)
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.raises(ConfigurationError, match="without an optimizer.step"):
+        next(iterator)

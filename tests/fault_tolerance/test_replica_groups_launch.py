@@ -33,8 +33,8 @@ out = os.environ["FT_OUT"]
 accelerator = Accelerator(cpu=True)
 group, rank = os.environ["HASTEN_REPLICA_GROUP"], accelerator.process_index
 torch.manual_seed(0)
-features = torch.randn(%(samples)d, 8)
-dataset = TensorDataset(torch.arange(%(samples)d), features, features @ torch.randn(8, 1))
+features = torch.randn(SAMPLES_HERE, 8)
+dataset = TensorDataset(torch.arange(SAMPLES_HERE), features, features @ torch.randn(8, 1))
 loader = DataLoader(dataset, batch_size=4, shuffle=True)
 torch.manual_seed(100 + int(group))  # the groups start from different weights: the first quorum makes them one
 model = torch.nn.Linear(8, 1)
@@ -59,7 +59,7 @@ weights = b"".join(p.detach().numpy().tobytes() for p in accelerator.unwrap_mode
 with open(os.path.join(out, f"final_g{group}_r{rank}_{os.getpid()}.json"), "w") as f:
     json.dump({"digest": hashlib.sha256(weights).hexdigest(), "step": manager.current_step(),
                "healed": accelerator.replica_group.healed}, f)
-''' % {"samples": SAMPLES}
+'''.replace("SAMPLES_HERE", str(SAMPLES))
 
 
 def torchft_python() -> str:

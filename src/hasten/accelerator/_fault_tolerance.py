@@ -93,7 +93,10 @@ class FaultToleranceMixin(AcceleratorBase):
             self._replica_group.healed += 1
 
     def _replica_group_loader(self, data_loader: Any, placement: bool) -> Any:
+        from hasten.config.env import NUM_REPLICA_GROUPS_VAR, replica_group_env
         from hasten.fault_tolerance.data import ReplicaGroupLoader
 
         return ReplicaGroupLoader(data_loader, self._attach_replica_group, self.process_index,  # type: ignore[attr-defined]
-                                  self.num_processes, self.device if placement else None)  # type: ignore[attr-defined]
+                                  self.num_processes, self.device if placement else None,  # type: ignore[attr-defined]
+                                  num_groups=int(replica_group_env().get(NUM_REPLICA_GROUPS_VAR, "1")),
+                                  accumulation_steps=lambda: self.gradient_accumulation_steps)

@@ -5,15 +5,16 @@ commit) are never seen. Here the cursor is torchft's ``batches_committed()`` (gr
 counted over the participants, healed with the Manager's state): at each step, participant ``i`` of ``n`` reads
 group-batch ``cursor + i`` of the epoch's order, and the process of group rank ``r`` its ``r``-th slice. A step
 that does not commit leaves the cursor where it was, so its samples are dealt again over whoever is in the next
-quorum; a lost group's future samples go to the groups that remain. The epoch ends, on every group at the same
-step, when the cursor passes the end of the order. On the epoch's last step, participants whose group-batch lies
+quorum; a lost group's future samples go to the groups that remain. With gradient accumulation over ``k``
+micro-batches, participant ``i`` reads group-batches ``k * i .. k * i + k - 1`` past ``k`` times the cursor.
+The epoch ends, on every group at the same step, when the cursor passes the end of the order. On the epoch's last step, participants whose group-batch lies
 past the end read the order's first samples again (as Accelerate's ``even_batches``) and
 :attr:`ReplicaGroupLoader.padded` says so: those samples count twice in that one step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,10 +38,13 @@ class ReplicaGroupLoader:
         replica_group: returns this process's :class:`ReplicaGroup` (built on first use).
         process_index: this process's rank in its group; ``num_processes``: the group's size.
         device: where batches go (None: left where the collate function put them).
+        num_groups: the launch's replica groups (for ``len``).
+        accumulation_steps: the current gradient accumulation steps (micro-batches per optimizer step).
     """
 
     def __init__(self, loader: DataLoader, replica_group: Any, process_index: int, num_processes: int,
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, num_groups: int = 1,
+                 accumulation_steps: Callable[[], int] = lambda: 1) -> None:
         if loader.batch_size is None or not hasattr(loader.dataset, "__len__"):
             raise ConfigurationError("fault tolerance reads batches at a global cursor: the DataLoader needs a "
                                      "map-style dataset (with __len__) and a batch_size (not a batch_sampler).")
@@ -54,6 +58,7 @@ class ReplicaGroupLoader:
         self._replica_group = replica_group
         self.process_index, self.num_processes = process_index, num_processes
         self.device = device
+        self.num_groups, self.accumulation_steps = num_groups, accumulation_steps
         #: the epoch being read and the cursor (group-batches committed) at its start; healed from peers
         self.epoch = 0
         self.epoch_start = 0
@@ -64,10 +69,9 @@ class ReplicaGroupLoader:
         self._is_accelerate_prepared = True
 
     def __len__(self) -> int:
-        """Steps of a whole epoch if every group took part (a failure makes an epoch longer)."""
-        group_batch = self.batch_size * self.num_processes
-        groups = max(1, getattr(self._group(), "num_groups", 1))
-        return -(-len(self.dataset) // (group_batch * groups))  # type: ignore[arg-type]
+        """Batches of a whole epoch if every group took part (a failure makes an epoch longer)."""
+        per_step = self.batch_size * self.num_processes * max(1, self.num_groups)
+        return -(-len(self.dataset) // per_step)  # type: ignore[arg-type]
 
     def _group(self) -> ReplicaGroup:
         return self._replica_group()  # type: ignore[no-any-return]
@@ -93,22 +97,34 @@ class ReplicaGroupLoader:
     def __iter__(self) -> Iterator[Any]:
         group = self._group()
         size = len(self.dataset)  # type: ignore[arg-type]
-        group_batch = self.batch_size * self.num_processes
+        block = self.batch_size * self.num_processes  # one group's samples per micro-batch
         order, epoch = self._order(), self.epoch
+        micro, seen_votes = 0, -1
         while True:
+            votes = group.steps_committed + group.steps_retried  # changes once per optimizer step
+            micro = micro + 1 if votes == seen_votes else 0
+            seen_votes = votes
+            steps = max(1, int(self.accumulation_steps()))
+            if micro >= steps:
+                raise ConfigurationError(
+                    f"a data loader prepared under fault tolerance follows the committed optimizer steps, but "
+                    f"{micro + 1} batches were read without an optimizer.step() (gradient_accumulation_steps="
+                    f"{steps}). HINT: step the prepared optimizer after every {steps} batch(es); evaluate with a "
+                    "DataLoader that is not prepared.")
             # The local count first: after the epoch's last commit no quorum is joined (peers may have left).
-            if (group.manager.batches_committed() - self.epoch_start) * group_batch >= size:
+            if micro == 0 and (group.manager.batches_committed() - self.epoch_start) * steps * block >= size:
                 break
             committed, index, _participants = group.cursor()  # joins the step's quorum (and heals)
             if self.epoch != epoch:  # healed into another epoch
                 order, epoch = self._order(), self.epoch
-            consumed = (committed - self.epoch_start) * group_batch
-            if consumed >= size:
+            consumed = (committed - self.epoch_start) * steps * block
+            if micro == 0 and consumed >= size:
                 break
             if index < 0:
                 raise RuntimeError("this replica group is not taking part in the quorum (torchft spare); hasten's "
                                    "loader expects every live group to take part.")
-            start = consumed + index * group_batch + self.process_index * self.batch_size
+            # Participant i reads micro-batches i*steps .. i*steps+steps-1 of the step's blocks.
+            start = consumed + (index * steps + micro) * block + self.process_index * self.batch_size
             positions = [position % size for position in range(start, start + self.batch_size)]
             self.padded = start + self.batch_size > size
             self.last_indices = order[positions].tolist()
