@@ -163,3 +163,18 @@ def test_epoch_sees_every_sample_exactly_once(killed_run: tuple[Any, Path]) -> N
                                  for i in row["ids"])
     assert sorted(counts) == list(range(SAMPLES)), sorted(set(range(SAMPLES)) - set(counts))
     assert set(counts.values()) == {1}, [i for i, n in counts.items() if n > 1]
+
+
+@pytest.mark.launch
+def test_dry_run_shows_the_groups_and_their_settings(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([torchft_python(), "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes", "4",
+                           "--replica_groups", "2", "--step_timeout", "7", "--dry_run", str(script)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "launcher:      replica-groups" in proc.stdout
+    assert "2 replica groups of 2 process(es)" in proc.stderr
+    settings = next(line for line in proc.stdout.splitlines() if "HASTEN_FAULT_TOLERANCE=" in line)
+    assert json.loads(settings.split("=", 1)[1])["step_timeout"] == 7.0
