@@ -178,3 +178,44 @@ def test_dry_run_shows_the_groups_and_their_settings(tmp_path: Path) -> None:
     assert "2 replica groups of 2 process(es)" in proc.stderr
     settings = next(line for line in proc.stdout.splitlines() if "HASTEN_FAULT_TOLERANCE=" in line)
     assert json.loads(settings.split("=", 1)[1])["step_timeout"] == 7.0
+
+
+@pytest.mark.launch
+def test_sigterm_to_the_launcher_stops_every_group_worker_and_the_lighthouse(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN.replace('group == "1"', "False"))  # no kill: a run that is still training
+    tag = f"HASTEN_FT_TEST_RUN={uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "FT_OUT": str(tmp_path), tag.split("=")[0]: tag.split("=")[1]}
+    proc = subprocess.Popen([torchft_python(), "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes",
+                             "2", "--replica_groups", "2", "--step_timeout", "5", str(script)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the groups' torchft logs: wait until both groups committed a step
+            if "should_commit completed should_commit=true" in line and "hasten_1" in line:
+                break
+        started = _processes_with(tag)
+        assert len(started) >= 5  # launcher, Lighthouse, 2 group agents, their workers
+        proc.send_signal(signal.SIGTERM)  # to the launcher alone, not its process group
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+        assert "every replica group was stopped" in output
+        assert [pid for pid in started if os.path.exists(f"/proc/{pid}") and _alive(pid)] == []
+    finally:
+        for pid in _processes_with(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    """False for a zombie (exited, not yet reaped by a parent outside this test)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
