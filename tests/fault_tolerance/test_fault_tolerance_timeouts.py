@@ -78,3 +78,18 @@ def test_launch_refuses_a_misordered_timeout_at_start(tmp_path: Path, flags: lis
     for text in expected:
         assert text in errors[0]
     assert not marker.exists()  # refused before any worker started
+
+
+def test_accelerator_setting_resolves_from_code_then_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hasten.accelerator._fault_tolerance import resolve_fault_tolerance
+
+    monkeypatch.delenv("HASTEN_FAULT_TOLERANCE", raising=False)
+    assert resolve_fault_tolerance(None) is None  # not launched with --replica_groups: off
+    assert resolve_fault_tolerance(True) == FaultToleranceConfig()
+    given = FaultToleranceConfig(step_timeout=3.0)
+    assert resolve_fault_tolerance(given) is given
+    monkeypatch.setenv("HASTEN_FAULT_TOLERANCE", FaultToleranceConfig(step_timeout=9.0).to_json())
+    assert resolve_fault_tolerance(None) == FaultToleranceConfig(step_timeout=9.0)
+    assert resolve_fault_tolerance(False) is None  # code wins over the launch
+    with pytest.raises(ConfigurationError, match="fault_tolerance=42"):
+        resolve_fault_tolerance(42)
