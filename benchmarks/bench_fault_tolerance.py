@@ -168,6 +168,7 @@ def replica_figures(out: Path) -> dict[str, Any]:
             "healed_process_start_s": max(h[1] for h in heal) if heal else None,
             "healed_heal_and_first_step_s": max(h[2] for h in heal) if heal else None,
             "kill_to_healed_commit_s": max(h[3] for h in heal) if heal else None,
+            "kill_to_restarted_start_s": max(h[3] - h[0] for h in heal) if heal else None,
             "final_processes": len(finals), "weights_bit_equal": len({f["digest"] for f in finals}) == 1,
             "samples_seen": samples, "duplicates": sum(1 for n in by_step.values() if n > 1)}
 
