@@ -23,7 +23,7 @@ LAYERS = [
     ["hasten.connector"],
     ["hasten.state", "hasten.logging"],
     ["hasten.data", "hasten.optim", "hasten.tracking", "hasten.optimizer", "hasten.scheduler", "hasten.state_helpers",
-     "hasten.accelerator_state_files"],
+     "hasten.accelerator_state_files", "hasten.fault_tolerance"],
     ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader",
      "hasten.hooks", "hasten.inference", "hasten.memory_plan"],
     ["hasten.commands", "hasten.testing", "hasten.test_utils", "hasten.memory_utils"],

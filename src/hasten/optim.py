@@ -65,6 +65,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.device_placement = device_placement
         self._is_overflow = False
 
+    #: fault tolerance (``hasten.fault_tolerance.replica.ReplicaGroup``): the step waits for the quorum's commit
+    _replica_group: Any = None
+
     # Forwarded attributes -------------------------------------------------------------------------
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -161,6 +164,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             return None
         if _PREEMPTION.pending:  # preemption: after step S, outside a loader pass, the next step is a boundary
             _PREEMPTION.before_step()
+        if self._replica_group is not None and not self._replica_group.commit(
+                [p for group in self.optimizer.param_groups for p in group["params"]]):
+            self._is_overflow = True  # replica groups: the quorum did not commit; the step is retried
+            return None
         losses: list[Any] = []
         if closure is None:
             self._is_overflow = not self._step(self.optimizer)
@@ -179,7 +186,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        """True when the last ``step`` was skipped because fp16 gradients held inf/NaN."""
+        """True when the last ``step`` was skipped: fp16 gradients held inf/NaN, or the replica groups' quorum
+        did not commit it."""
         return self._is_overflow
 
     def __repr__(self) -> str:

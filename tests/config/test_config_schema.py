@@ -80,6 +80,8 @@ CHANGES: dict[str, tuple[dict[str, Any], list[str] | None]] = {
                      ["--num_machines", "2:3", "--num_processes", "3", "--main_process_ip", "10.0.0.2", "--cpu",
                       "--main_process_port", "29558"]),
     "preemption_signal": ({"preemption_signal": "USR1"}, ["--preemption_signal", "USR1"]),
+    "replica_groups": ({"replica_groups": 2, "num_processes": 2, "use_cpu": True},
+                       ["--replica_groups", "2", "--num_processes", "2", "--cpu"]),
 }
 
 

@@ -58,6 +58,8 @@ class PrepareMixin(AcceleratorBase):
                 obj._is_accelerate_prepared = True
         if self._optimizers:  # a training run: a preemption signal now stops it at a common step
             self._arm_preemption()  # type: ignore[attr-defined]
+        if self._optimizers and self._fault_tolerance is not None:  # type: ignore[attr-defined]
+            self._attach_replica_group()  # type: ignore[attr-defined]  # joins (and heals at) the first quorum
         return result[0] if len(result) == 1 else result
 
     def _prepare_models_and_optimizers(self, args: tuple[Any, ...], placements: list[Any]) -> tuple[Any, ...]:
@@ -179,6 +181,10 @@ class PrepareMixin(AcceleratorBase):
                 self._dataloaders.append(data_loader)
             return data_loader
         placement = self.device_placement if device_placement is None else device_placement
+        if self._fault_tolerance is not None:  # type: ignore[attr-defined]  # batches at the groups' global cursor
+            ft_loader = self._replica_group_loader(data_loader, placement)  # type: ignore[attr-defined]
+            self._dataloaders.append(ft_loader)
+            return ft_loader  # type: ignore[no-any-return]
         config = self.dataloader_config
         # Under tensor/context parallelism the ranks of one group read the same batches.
         num_shards, shard_index = self._data_parallel_position()

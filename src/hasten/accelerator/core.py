@@ -18,6 +18,7 @@ from torch import nn
 from hasten.accelerator._checkpoint import CheckpointMixin
 from hasten.accelerator._collectives import CollectivesMixin
 from hasten.accelerator._compat import TrivialFeaturesMixin
+from hasten.accelerator._fault_tolerance import FaultToleranceMixin, resolve_fault_tolerance
 from hasten.accelerator._parallelism import NDParallelismMixin, resolve_layout, with_run_mesh
 from hasten.accelerator._preemption import PreemptionMixin
 from hasten.accelerator._prepare import PrepareMixin
@@ -143,7 +144,7 @@ def _launch_configuration(arguments: dict[str, Any]) -> LaunchConfig | None:
 
 
 class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareMixin, CheckpointMixin,
-                  NDParallelismMixin, PreemptionMixin, TrivialFeaturesMixin):
+                  NDParallelismMixin, PreemptionMixin, FaultToleranceMixin, TrivialFeaturesMixin):
     """Run one training loop unchanged on a CPU, GPUs or many machines (Accelerate's API).
 
     Example:
@@ -172,7 +173,7 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                  gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
                  step_scheduler_with_optimizer: bool = True, kwargs_handlers: list[KwargsHandler] | None = None,
                  dynamo_backend: Any = None, dynamo_plugin: Any = None, deepspeed_plugins: Any = None,
-                 parallelism_config: Any = None) -> None:
+                 parallelism_config: Any = None, fault_tolerance: Any = None) -> None:
         if split_batches is not _NOT_GIVEN:
             warnings.warn("Accelerator(split_batches=...) is ignored (as in Accelerate >= 1.0): pass "
                           "`dataloader_config=DataLoaderConfiguration(split_batches=...)` instead.", FutureWarning,
@@ -228,6 +229,8 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self.gradient_state = GradientState(gradient_accumulation_plugin=plugin)
         self._init_attributes(device_placement, dataloader_config, rng_types, project_dir, project_config,
                               step_scheduler_with_optimizer, log_with)
+        # hasten: per-step fault tolerance over replica groups (hasten launch --replica_groups N; torchft)
+        self._fault_tolerance = resolve_fault_tolerance(fault_tolerance)
 
     @staticmethod
     def _check_unsupported(deepspeed_plugin: Any, deepspeed_plugins: Any, fsdp_plugin: Any, torch_tp_plugin: Any,

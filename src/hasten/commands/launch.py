@@ -124,6 +124,20 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
      "naming) and exit with code 75 (default TERM; USR1 for SLURM's --signal=USR1@90). See docs/preemption.md."),
     ("--preemption_grace", None, None, {"type": float},
      "Seconds the launcher waits for stopping workers (saving their checkpoint) before it kills them (default 30)."),
+    ("--replica_groups", "replica_groups", None, {"type": int},
+     "Per-step fault tolerance (torchft): split the processes into N replica groups, each its own rendezvous; a "
+     "lost group is restarted and heals from a live one while the others train on. See docs/fault-tolerance.md."),
+    ("--lighthouse", None, None, {}, "--replica_groups: address (host:port) of a running torchft Lighthouse "
+     "(default: the launcher starts one)."),
+    ("--step_timeout", None, None, {"type": float}, "--replica_groups: seconds a step's managed all-reduce may "
+     "take (default 30); every other fault-tolerance timeout is derived from it."),
+    *((f"--{name}", None, None, {"type": float}, f"--replica_groups: {text} (derived from --step_timeout; a value "
+       "that breaks the order is refused at start).") for name, text in (
+        ("heartbeat_timeout", "seconds without a heartbeat before the Lighthouse drops a group"),
+        ("join_timeout", "seconds the Lighthouse waits for live groups to join a quorum"),
+        ("quorum_timeout", "seconds a group waits for a quorum"),
+        ("connect_timeout", "seconds to connect to the Lighthouse and peers"))),
+    ("--group_restarts", None, None, {"type": int}, "--replica_groups: restarts of lost groups (default 3)."),
     ("--role", None, None, {"default": "default"}, "torchrun worker role."),
     ("-t", None, None, {"dest": "tee", "default": "0"}, "torchrun --tee."),
     ("--log_dir", None, None, {}, "torchrun log folder."),
@@ -239,14 +253,30 @@ def options_from_args(args: argparse.Namespace) -> Any:
                          max_restarts=args.max_restarts, monitor_interval=args.monitor_interval, role=args.role,
                          tee=args.tee, log_dir=args.log_dir, use_mpi=args.use_mpi, quiet=args.quiet,
                          collective_timeout=args.collective_timeout, check_network=args.check_network,
-                         preemption_grace=args.preemption_grace)
+                         preemption_grace=args.preemption_grace, lighthouse=args.lighthouse,
+                         fault_tolerance=_fault_tolerance(args), group_restarts=args.group_restarts)
+
+
+def _fault_tolerance(args: argparse.Namespace) -> Any:
+    """``--step_timeout`` and the other timeouts as a FaultToleranceConfig (None when none was given)."""
+    names = ("step_timeout", "heartbeat_timeout", "join_timeout", "quorum_timeout", "connect_timeout")
+    given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    if not given and not args.lighthouse:
+        return None
+    from hasten.fault_tolerance.timeouts import FaultToleranceConfig
+
+    return FaultToleranceConfig(**given, lighthouse=_lighthouse_url(args.lighthouse))
+
+
+def _lighthouse_url(address: str | None) -> str | None:
+    return None if not address else address if "://" in address else f"http://{address}"
 
 
 #: Bounds of the numeric run options, checked before anything leaves the launcher (a value like ``inf``
 #: or ``1e300`` overflows in the workers' timers otherwise). ``(flag, low, high, low_inclusive)``.
 _RANGES = (("max_restarts", 0, 1_000_000, True), ("collective_timeout", 0.0, 30 * 86400.0, False),
            ("monitor_interval", 0.0, 3600.0, False), ("num_cpu_threads_per_process", 1, 65536, True),
-           ("preemption_grace", 0.0, 86400.0, True))
+           ("preemption_grace", 0.0, 86400.0, True), ("group_restarts", 0, 1_000_000, True))
 
 
 def _check_ranges(args: argparse.Namespace) -> None:
@@ -291,6 +321,10 @@ def launch_command(args: argparse.Namespace) -> int:
                                      "one on CPU.")
         options = options_from_args(args)
         plan = build_plan(resolve_config(args, os.environ), options, os.environ)
+        if plan.config.replica_groups is not None:  # checked here, before anything starts
+            from hasten.launchers.replica_groups import plan_replica_groups
+
+            plan_replica_groups(plan, options)
     except (ConfigurationError, LaunchError) as exc:
         print(f"hasten launch: error: {exc}", file=sys.stderr)
         return 2
@@ -310,6 +344,10 @@ def launch_command(args: argparse.Namespace) -> int:
 
 def execute_plan(plan: Any, options: Any) -> int:
     """Start the processes of ``plan`` and wait for them; return the exit code."""
+    if plan.launcher == "replica-groups":
+        from hasten.launchers.replica_groups import run_replica_groups
+
+        return run_replica_groups(plan, options)
     if plan.launcher == "torchrun":
         from hasten.launchers.torchrun import run_torchrun
 

@@ -26,6 +26,12 @@ LOG_LEVEL_VAR = "HASTEN_LOG_LEVEL"
 COLLECTIVE_TIMEOUT_VAR = "HASTEN_COLLECTIVE_TIMEOUT"
 #: Set by ``hasten launch`` (torchrun agent): where workers stopped by preemption leave a marker file.
 PREEMPTION_DIR_VAR = "HASTEN_PREEMPTION_DIR"
+#: ``hasten launch --replica_groups N``: the fault-tolerance settings (JSON), this process's group, the number of
+#: groups, and torchft's own Lighthouse address variable (``http://host:port``).
+FAULT_TOLERANCE_VAR = "HASTEN_FAULT_TOLERANCE"
+REPLICA_GROUP_VAR = "HASTEN_REPLICA_GROUP"
+NUM_REPLICA_GROUPS_VAR = "HASTEN_NUM_REPLICA_GROUPS"
+LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
 
 
 def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
@@ -248,3 +254,10 @@ def preemption_signal(env: Mapping[str, str] | None = None) -> str | None:
     """The preemption signal of the launch configuration (``hasten launch --preemption_signal``), if any."""
     value = worker_launch_dict(env).get("preemption_signal")
     return str(value) if value else None
+
+
+def replica_group_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of a replica-group launch that are set (fault-tolerance settings, group, groups, Lighthouse)."""
+    found = _env(env)
+    return {name: found[name] for name in (FAULT_TOLERANCE_VAR, REPLICA_GROUP_VAR, NUM_REPLICA_GROUPS_VAR,
+                                           LIGHTHOUSE_VAR) if found.get(name)}

@@ -163,6 +163,9 @@ class LaunchConfig:
     # hasten's own key (``--preemption_signal``): the signal that makes every worker stop at the same step,
     # checkpoint and exit (None = SIGTERM; e.g. USR1 for SLURM's ``--signal=USR1@90``).
     preemption_signal: str | None = field(default=None, metadata=_kind("str"))
+    # hasten's own key (``--replica_groups N``): per-step fault tolerance over N replica groups (torchft);
+    # None = off.
+    replica_groups: int | None = field(default=None, metadata=_kind("int"))
 
     # ------------------------------------------------------------------------------------ conversion
     @classmethod
@@ -256,6 +259,8 @@ class LaunchConfig:
         if self.preemption_signal is not None and not _is_signal_name(self.preemption_signal):
             raise ConfigurationError(f"{source}: preemption_signal={self.preemption_signal!r} is not a signal. "
                                      "HINT: name one such as TERM, USR1 or SIGUSR2.")
+        if self.replica_groups is not None and not 1 <= self.replica_groups <= MAX_PROCESSES:
+            raise ConfigurationError(f"{source}: replica_groups={self.replica_groups} must be at least 1.")
         if self.main_process_port is not None and not 0 <= self.main_process_port <= 65535:
             raise ConfigurationError(f"{source}: main_process_port={self.main_process_port} is not a TCP port "
                                      "(0..65535; 0 picks a free one).")

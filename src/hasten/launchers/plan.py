@@ -61,13 +61,19 @@ class LaunchOptions:
     check_network: bool = False
     #: seconds the agent waits for workers stopping on a signal before SIGKILL (torchrun's ``--shutdown_timeout``)
     preemption_grace: float | None = None
+    #: ``--replica_groups``: an existing Lighthouse (``host:port``); None: the launcher starts one
+    lighthouse: str | None = None
+    #: ``--replica_groups``: the timeouts (``hasten.fault_tolerance.FaultToleranceConfig``); None: the defaults
+    fault_tolerance: Any = None
+    #: ``--replica_groups``: restarts of lost groups before the others go on without them (None: 3)
+    group_restarts: int | None = None
 
 
 @dataclass
 class LaunchPlan:
     """What ``hasten launch`` will do; ``describe()`` is the ``--dry_run`` output."""
 
-    launcher: str  # "process", "torchrun", "mpirun" or "slurm-task"
+    launcher: str  # "process", "torchrun", "mpirun", "slurm-task" or "replica-groups"
     config: LaunchConfig
     command: list[str]
     env: dict[str, str]

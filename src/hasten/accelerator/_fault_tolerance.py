@@ -1,0 +1,102 @@
+"""``Accelerator(fault_tolerance=...)``: per-step fault tolerance over replica groups (torchft).
+
+On when ``fault_tolerance`` is given or the process was started by ``hasten launch --replica_groups N``. The
+replica group (torchft's Manager, :mod:`hasten.fault_tolerance.replica`) is built at the first ``prepare`` that
+holds an optimizer, and joins its first quorum there, so that a restarted group heals before its first forward.
+The prepared optimizers then step only when the quorum commits; prepared data loaders read at the global cursor
+(:mod:`hasten.fault_tolerance.data`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hasten.accelerator._base import AcceleratorBase
+from hasten.exceptions import ConfigurationError
+
+if TYPE_CHECKING:
+    from hasten.fault_tolerance.replica import ReplicaGroup
+    from hasten.fault_tolerance.timeouts import FaultToleranceConfig
+
+
+def resolve_fault_tolerance(value: Any) -> FaultToleranceConfig | None:
+    """The settings from ``Accelerator(fault_tolerance=...)`` (a config, True, or None: the launch's)."""
+    from hasten.config.env import FAULT_TOLERANCE_VAR, replica_group_env
+    from hasten.fault_tolerance.timeouts import FaultToleranceConfig
+
+    if value is None or value is False:
+        text = replica_group_env().get(FAULT_TOLERANCE_VAR) if value is None else None
+        return FaultToleranceConfig.from_json(text) if text else None
+    if value is True:
+        return FaultToleranceConfig()
+    if isinstance(value, FaultToleranceConfig):
+        return value
+    raise ConfigurationError(f"Accelerator(fault_tolerance={value!r}) must be a FaultToleranceConfig, True or None.")
+
+
+class FaultToleranceMixin(AcceleratorBase):
+    """The replica group of a fault-tolerant run, and the state a restarted group heals from."""
+
+    _fault_tolerance: FaultToleranceConfig | None = None
+    _replica_group: ReplicaGroup | None = None
+
+    @property
+    def replica_group(self) -> ReplicaGroup | None:
+        """This process's replica group (torchft's Manager inside), or None without fault tolerance."""
+        return self._replica_group
+
+    def _attach_replica_group(self) -> ReplicaGroup:
+        """Build the replica group once (its first quorum heals this group from a live peer if it is behind)."""
+        if self._replica_group is not None:
+            for optimizer in self._optimizers:  # prepared by a later prepare() call
+                optimizer._replica_group = self._replica_group
+            return self._replica_group
+        from hasten.config.env import collective_timeout
+        from hasten.fault_tolerance.replica import ReplicaGroup
+
+        assert self._fault_tolerance is not None
+        if len(self._optimizers) > 1:
+            raise ConfigurationError("fault tolerance commits one optimizer step per quorum: prepare one optimizer "
+                                     f"(got {len(self._optimizers)}).")
+        given = collective_timeout()
+        group = ReplicaGroup(self._fault_tolerance, self._replica_state, self._load_replica_state, self.device,
+                             given.total_seconds() if given is not None else None)
+        self._replica_group = group
+        for optimizer in self._optimizers:
+            optimizer._replica_group = group
+        group.begin_step()
+        return group
+
+    def _replica_state(self) -> dict[str, Any]:
+        from hasten.fault_tolerance.replica import rng_state
+
+        return {"models": [self.unwrap_model(model).state_dict() for model in self._models],  # type: ignore[attr-defined]
+                "optimizers": [optimizer.optimizer.state_dict() for optimizer in self._optimizers],
+                "schedulers": [scheduler.state_dict() for scheduler in self._schedulers],
+                "loaders": [loader.state_dict() for loader in self._dataloaders if hasattr(loader, "state_dict")],
+                "rng": rng_state()}
+
+    def _load_replica_state(self, state: dict[str, Any]) -> None:
+        from hasten.fault_tolerance.replica import set_rng_state
+
+        for model, saved in zip(self._models, state["models"]):
+            self.unwrap_model(model).load_state_dict(saved)  # type: ignore[attr-defined]
+        for optimizer, saved in zip(self._optimizers, state["optimizers"]):
+            optimizer.optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(self._schedulers, state["schedulers"]):
+            scheduler.load_state_dict(saved)
+        loaders = [loader for loader in self._dataloaders if hasattr(loader, "state_dict")]
+        for loader, saved in zip(loaders, state["loaders"]):
+            loader.load_state_dict(saved)
+        set_rng_state(state["rng"])
+        if self._replica_group is not None:
+            self._replica_group.healed += 1
+
+    def _replica_group_loader(self, data_loader: Any, placement: bool) -> Any:
+        from hasten.config.env import NUM_REPLICA_GROUPS_VAR, replica_group_env
+        from hasten.fault_tolerance.data import ReplicaGroupLoader
+
+        return ReplicaGroupLoader(data_loader, self._attach_replica_group, self.process_index,  # type: ignore[attr-defined]
+                                  self.num_processes, self.device if placement else None,  # type: ignore[attr-defined]
+                                  num_groups=int(replica_group_env().get(NUM_REPLICA_GROUPS_VAR, "1")),
+                                  accumulation_steps=lambda: self.gradient_accumulation_steps)
