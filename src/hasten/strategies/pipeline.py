@@ -35,6 +35,7 @@ from hasten.checkpointing.sinks import Sink
 from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
+from hasten.strategies import pipeline_hf
 from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_single_process_files
 from hasten.strategies.pipeline_checkpoint import (
     full_optimizer_state,
@@ -48,17 +49,20 @@ from hasten.strategies.pipeline_split import cut_stage
 class PipelinedModel(nn.Module):
     """The prepared model under pipeline parallelism: calling it runs the pipelined forward and backward.
 
-    ``module`` is this process's stage (the user's model with the other stages' modules made no-ops).
+    ``module`` is this process's stage (the user's model with the other stages' modules made no-ops);
+    ``call`` replaces the runner's step for models with their own calling conventions (transformers).
     """
 
-    def __init__(self, module: nn.Module, runner: _PipelineRunner) -> None:
+    def __init__(self, module: nn.Module, runner: _PipelineRunner,
+                 call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None) -> None:
         super().__init__()
         self.module = module
         self._runner = runner
+        self._call = call if call is not None else runner.step
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the whole step on this batch; returns the batch's mean loss (on every process)."""
-        return self._runner.step(self.module, args, kwargs)
+        return self._call(self.module, args, kwargs)
 
 
 class _PipelineRunner:
@@ -86,6 +90,8 @@ class _PipelineRunner:
         self.schedules: dict[tuple[Any, ...], Any] = {}
         #: The loss the last step returned (what ``accelerator.backward`` accepts).
         self.last_loss: torch.Tensor | None = None
+        #: Called with that loss in ``accelerator.backward`` (transformers models: loss scale, tied weights).
+        self.backward_hooks: list[Callable[[torch.Tensor], None]] = []
 
     @property
     def is_first(self) -> bool:
@@ -258,7 +264,8 @@ class PipelineStrategy(Strategy):
             raise ConfigurationError(f"pp_size > 1 prepares one model for training per run; got {len(models)} models"
                                      f"{' for evaluation' if evaluation_mode else ''} in this prepare call.")
         stages = int(self.config.pp_size)  # type: ignore[arg-type]
-        if self.config.pp_split_points is None:
+        transformers_model = pipeline_hf.transformers_pp_plan(models[0]) is not None
+        if self.config.pp_split_points is None and not transformers_model:
             raise ConfigurationError(
                 f"pp_size={stages} but {type(models[0]).__name__} has no split points: pass ParallelismConfig("
                 f"pp_size={stages}, pp_split_points=[...]) with the {stages - 1} module names where stages 1.. begin "
@@ -270,8 +277,12 @@ class PipelineStrategy(Strategy):
                 self._layouts[id(optimizer)] = optimizer_layout(models[0], optimizer)
             except CheckpointError as error:  # raised if it is ever saved: training needs no names
                 self._layouts[id(optimizer)] = str(error)
-        model = cut_stage(models[0], list(self.config.pp_split_points), int(self.device_mesh.get_local_rank("pp")),
-                          stages)
+        stage_index = int(self.device_mesh.get_local_rank("pp"))
+        points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
+        if transformers_model:
+            model, stage_module, tied = pipeline_hf.cut_transformers_stage(models[0], points, stage_index, stages)
+        else:
+            model = stage_module = cut_stage(models[0], points or [], stage_index, stages)
         if device_placement[0]:
             model = model.to(self.device)
         self.apply_precision(model)
@@ -279,9 +290,12 @@ class PipelineStrategy(Strategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in kept]
-        runner = _PipelineRunner(model, self.config, self.device_mesh, self.device, self._loss_fn,
+        runner = _PipelineRunner(stage_module, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
+        if transformers_model:
+            call = pipeline_hf.TransformersPipelineCall(model, stage_module, runner, self._pp_group(), tied)
+            return [PipelinedModel(model, runner, call)], optimizers
         return [PipelinedModel(model, runner)], optimizers
 
     def compile(self, model: nn.Module, backend: str, options: dict[str, Any]) -> nn.Module:
@@ -322,6 +336,8 @@ class PipelineStrategy(Strategy):
         if accumulation_steps != runner.accumulation_steps:
             raise ConfigurationError(f"gradient_accumulation_steps changed from {runner.accumulation_steps} (at prepare) "
                                      f"to {accumulation_steps}: under pp_size > 1 set it before prepare.")
+        for hook in runner.backward_hooks:
+            hook(loss)
         if sync and self.config.dp_replicate_enabled:
             self._average_over_replicas(runner.module)
 
@@ -340,10 +356,12 @@ class PipelineStrategy(Strategy):
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the total norm over every stage's gradients (this stage's norm reduced over ``pp``)."""
-        grads = [p.grad for p in parameters if p.grad is not None]
+        params = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params]
+        counted = [p.grad for p in params if not getattr(p, pipeline_hf.PP_TIED_MIRROR, False)]  # a tied weight counts once
         norm_type = float(norm_type)
-        local = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
-                 if grads else torch.zeros((), device=self.device))
+        local = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in counted]),
+                                          norm_type) if counted else torch.zeros((), device=self.device))
         group = self.device_mesh["pp"].get_group()
         if norm_type == float("inf"):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)

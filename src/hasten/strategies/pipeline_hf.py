@@ -1,0 +1,324 @@
+"""Pipeline stages of a transformers model, cut by its ``base_model_pp_plan``, in the ordinary loop.
+
+A transformers model names its pipeline units in its plan (``model.pp_plan``: the base model's
+``base_model_pp_plan`` under its prefix plus the head's ``_pp_plan``; for ``LlamaForCausalLM``:
+``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``). The decoder layers (the plan's
+``nn.ModuleList``) are dealt out evenly over the stages, modules before the first layer go to the
+first stage and modules after the last layer to the last; :func:`transformers_split_points` can make
+the first or last stage lighter. Modules the plan does not list (rotary embeddings) hold no weights
+and stay on every stage. As with any model, nothing is renumbered: a stage's state-dict keys are the
+full model's.
+
+Each stage runs the model's own forward (:class:`TransformersStage`): the first stage the base model
+from ``input_ids``, the next ones the base model from the received hidden states as ``inputs_embeds``
+(the skipped modules hand them through), the last one the whole model with ``labels``, so the loss
+is the model's ``loss_function``. ``attention_mask`` and ``position_ids`` travel with the hidden states.
+
+The loss is token-normalised over the whole batch, as one process computes it: the last stage divides
+each micro-batch's token sum by ``num_items_in_batch`` when the caller passes it (Trainer does) and by
+the batch's label count otherwise (causal LM losses), so padding spread unevenly over micro-batches
+changes nothing. The prepared model returns the model's output type with ``.loss`` on every process.
+
+Tied weights across stages (``tie_word_embeddings=True``: the embedding on the first stage, the head
+on the last) stay tied: both stages hold the weight, and ``accelerator.backward`` sums the two
+stages' gradient contributions over the pipeline group (one all-reduce of the weight's gradient per
+backward), so both copies see the same gradient and the same optimizer step; ``clip_grad_norm_``
+counts the weight once.
+
+A caller may scale the returned loss in place before ``accelerator.backward`` (Trainer multiplies it
+by the process count when it averages tokens across devices): the gradients are scaled to match, as
+a backward of the scaled loss would give. The factor must stay the same within a gradient window.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hasten.exceptions import ConfigurationError
+from hasten.strategies.pipeline_split import skip_other_stages
+
+#: Set on the second and later stages' copies of a weight tied across stages: ``clip_grad_norm_`` counts it once.
+PP_TIED_MIRROR = "_hasten_pp_tied_mirror"
+#: Batch tensors every stage needs (the attention of each layer), handed along with the hidden states.
+_CARRIED = ("attention_mask", "position_ids")
+#: Arguments the stages set themselves.
+_DROPPED = ("use_cache", "return_dict", "cache", "past_key_values")
+
+
+def transformers_pp_plan(model: nn.Module) -> list[str] | None:
+    """The module names of ``model``'s pipeline plan in model order, or ``None`` for a model without one."""
+    plan = getattr(model, "pp_plan", None)
+    if not plan:  # transformers before the plans moved onto the model: the config's plan under the prefix
+        config_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "")
+        base = getattr(model, prefix, None) if prefix else None
+        plan = {**(getattr(type(model), "_pp_plan", None) or {}),
+                **{(f"{prefix}.{k}" if isinstance(base, nn.Module) else k): v for k, v in config_plan.items()}}
+    if not plan or not hasattr(model, "base_model"):
+        return None
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    missing = [name for name in plan if name not in order]
+    if missing:
+        raise ConfigurationError(f"{type(model).__name__}'s pipeline plan names {missing}, which are not its modules; "
+                                 "pass ParallelismConfig(pp_split_points=[...]) with module names instead.")
+    return sorted(plan, key=order.__getitem__)
+
+
+def _plan_units(model: nn.Module, plan: list[str]) -> tuple[list[tuple[str, bool]], list[str]]:
+    """The plan's units in model order as ``(name, is_layer)`` (a ``ModuleList`` gives one unit per layer),
+    and the modules outside the plan, kept on every stage.
+
+    Raises:
+        ConfigurationError: a module outside the plan holds weights (every stage would train a copy).
+    """
+    ancestors = {".".join(name.split(".")[:i]) for name in plan for i in range(len(name.split(".")))}
+    units: list[tuple[str, bool]] = []
+    shared: list[str] = []
+    weighted: list[str] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        weighted.extend(f"{prefix}{key}" for key, _ in module.named_parameters(recurse=False))
+        for child_name, child in module.named_children():
+            name = f"{prefix}{child_name}"
+            if name in plan:
+                is_list = isinstance(child, nn.ModuleList)
+                units.extend([(f"{name}.{i}", True) for i in range(len(child))] if is_list else [(name, False)])
+            elif name in ancestors:
+                walk(child, f"{name}.")
+            else:
+                shared.append(name)
+                weighted.extend(f"{name}.{key}" for key, _ in child.named_parameters())
+
+    walk(model, "")
+    if weighted:
+        raise ConfigurationError(
+            f"{type(model).__name__} has weights outside its pipeline plan ({weighted[:4]}): they would be trained "
+            "on every stage. Pass ParallelismConfig(pp_split_points=[...]) naming where stages begin, with those "
+            "modules inside a stage.")
+    if not any(is_layer for _, is_layer in units):
+        raise ConfigurationError(f"{type(model).__name__}'s pipeline plan {plan} has no list of layers to deal out "
+                                 "over the stages.")
+    return units, shared
+
+
+def transformers_split_points(model: nn.Module, num_stages: int, *, first_stage_less_layers: int = 0,
+                              last_stage_less_layers: int = 0) -> list[str]:
+    """Where stages ``1..num_stages-1`` begin for a transformers model: its layers dealt out evenly.
+
+    The first (last) stage holds ``first_stage_less_layers`` (``last_stage_less_layers``) layers fewer
+    than an even share, to make room for the embedding (the head and its loss). Pass the result as
+    ``ParallelismConfig(pp_split_points=...)`` (or ``parallelism_config_pp_split_points`` in the launch
+    config, comma-separated); without split points a transformers model is split evenly.
+
+    Example:
+        >>> transformers_split_points(llama_with_8_layers, 4, first_stage_less_layers=1, last_stage_less_layers=1)
+        ['model.layers.1', 'model.layers.4', 'model.layers.7']
+
+    Raises:
+        ConfigurationError: the model has no pipeline plan, or a stage would get fewer than no layers.
+    """
+    plan = transformers_pp_plan(model)
+    if plan is None:
+        raise ConfigurationError(f"{type(model).__name__} has no pipeline plan (base_model_pp_plan).")
+    layers = [name for name, is_layer in _plan_units(model, plan)[0] if is_layer]
+    total = len(layers) + first_stage_less_layers + last_stage_less_layers
+    share, extra = divmod(total, num_stages)
+    sizes = [share + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]  # the extras at the end
+    sizes[0] -= first_stage_less_layers
+    sizes[-1] -= last_stage_less_layers
+    if min(sizes) < 0 or num_stages < 2:
+        raise ConfigurationError(
+            f"{len(layers)} layers over {num_stages} stages with first_stage_less_layers={first_stage_less_layers} "
+            f"and last_stage_less_layers={last_stage_less_layers} leaves a stage fewer than no layers: ask for fewer.")
+    starts = [sum(sizes[:i]) for i in range(1, num_stages)]
+    if any(start >= len(layers) for start in starts):
+        raise ConfigurationError(f"{len(layers)} layers cannot start {num_stages} stages: use pp_size <= {len(layers)}.")
+    return [layers[start] for start in starts]
+
+
+def transformers_stage_units(model: nn.Module, split_points: list[str] | None,
+                             num_stages: int) -> list[tuple[str, int]]:
+    """Each unit of the plan with its stage; split points (plan units, in order) or the even split."""
+    plan = transformers_pp_plan(model)
+    assert plan is not None
+    units, _ = _plan_units(model, plan)
+    points = split_points if split_points is not None else transformers_split_points(model, num_stages)
+    names = [name for name, _ in units]
+    if len(points) != num_stages - 1 or any(point not in names for point in points):
+        raise ConfigurationError(
+            f"pp_size={num_stages} with {type(model).__name__} needs {num_stages - 1} split points among its pipeline "
+            f"units ({names[:3]} ... {names[-2:]}), got {points!r}; or leave pp_split_points unset for an even split.")
+    starts = [names.index(point) for point in points]
+    if starts != sorted(set(starts)) or starts[0] == 0:
+        raise ConfigurationError(f"pp split points {points!r} must follow the model's order and leave the first "
+                                 "stage a module.")
+    return [(name, sum(1 for start in starts if i >= start)) for i, name in enumerate(names)]
+
+
+def _tied_weights(model: nn.Module, units: list[tuple[str, int]]) -> list[tuple[nn.Parameter, list[int]]]:
+    """Weights held by units of different stages, each with the stages that hold it (in model order)."""
+    holders: dict[int, tuple[nn.Parameter, list[int]]] = {}
+    for name, stage in units:
+        for param in model.get_submodule(name).parameters():
+            entry = holders.setdefault(id(param), (param, []))
+            if stage not in entry[1]:
+                entry[1].append(stage)
+    return [entry for entry in holders.values() if len(entry[1]) > 1]
+
+
+class TransformersStage(nn.Module):
+    """What this process's pipeline stage runs: the transformers model's own forward on its part.
+
+    Per call the prepared model sets ``carried`` (the batch tensors handed along), ``constants`` (the
+    call's other arguments), ``loss_divisor`` and ``loss_multiplier``.
+
+    Args:
+        model: the cut model (the other stages' units skipped), under its full-model names.
+        stage_index: this stage.
+        num_stages: stages in the pipeline.
+    """
+
+    def __init__(self, model: nn.Module, stage_index: int, num_stages: int) -> None:
+        super().__init__()
+        self.model = model
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.carried: tuple[str, ...] = ()
+        self.constants: dict[str, Any] = {}
+        self.loss_divisor: Any = None
+        self.loss_multiplier = 1.0
+        #: The model computes the loss from ``labels`` (else the last stage returns logits for ``loss_fn``).
+        self.own_loss = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """First stages: ``(hidden states, *carried)``; the last: the micro-batch's loss share (or logits)."""
+        labels = kwargs.pop("labels", None)
+        if self.is_first:
+            inputs = dict(kwargs)
+        else:
+            hidden, *carried = args
+            inputs = {"inputs_embeds": hidden, **dict(zip(self.carried, carried))}
+        inputs.update(self.constants, use_cache=False)
+        if not self.is_last:
+            hidden = self.model.base_model(**inputs).last_hidden_state
+            return (hidden, *(inputs[name] for name in self.carried))
+        if labels is None or not self.own_loss:
+            return self.model(**inputs).logits
+        if self.loss_divisor is not None:
+            inputs["num_items_in_batch"] = self.loss_divisor
+        return self.model(**inputs, labels=labels).loss * self.loss_multiplier
+
+
+def _output_class(model: nn.Module) -> Any:
+    """The model's output type (``CausalLMOutputWithPast``...), else transformers' ``ModelOutput``."""
+    from transformers.utils import ModelOutput
+
+    returned = inspect.signature(type(model).forward).return_annotation
+    if isinstance(returned, str):  # postponed annotations: look the name up in the model's module
+        returned = getattr(inspect.getmodule(type(model)), returned.split("|")[0].strip(), None)
+    return returned if isinstance(returned, type) and issubclass(returned, ModelOutput) else ModelOutput
+
+
+class TransformersPipelineCall:
+    """The prepared transformers model's call: batch bookkeeping around the pipeline runner.
+
+    Sets the stage's per-call fields, returns the model's output type with ``.loss`` (training) or
+    ``.logits`` (evaluation without labels) on every process, and in ``accelerator.backward`` applies a
+    caller's in-place loss scale and sums tied weights' gradients over the pipeline group.
+    """
+
+    def __init__(self, model: nn.Module, stage: TransformersStage, runner: Any, group: Any,
+                 tied: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]]) -> None:
+        self.model, self.stage, self.runner, self.group, self.tied = model, stage, runner, group, tied
+        self.output_class = _output_class(model)
+        self.causal_lm = getattr(model, "loss_type", None) == "ForCausalLM"
+        self.scale = 1.0
+        self._fresh = True
+        self._unscaled: torch.Tensor | None = None
+        self._version = -1
+        self._snapshots: list[torch.Tensor | None] = []
+        runner.backward_hooks.append(self.after_backward)
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        num_items = kwargs.pop("num_items_in_batch", None)
+        for name in _DROPPED:
+            kwargs.pop(name, None)
+        labels = kwargs.get("labels")
+        self.stage.carried = tuple(name for name in _CARRIED if isinstance(kwargs.get(name), torch.Tensor))
+        self.stage.constants = {key: kwargs.pop(key) for key in list(kwargs)
+                                if key != "labels" and not isinstance(kwargs[key], torch.Tensor)}
+        self.stage.own_loss = self.runner.user_loss_fn is None
+        self.stage.loss_divisor = num_items
+        if num_items is None and self.causal_lm and isinstance(labels, torch.Tensor):
+            self.stage.loss_divisor = (labels[..., 1:] != -100).sum()  # the batch's tokens, as one process counts
+        # The runner divides each micro-batch's loss by the micro-batches: a share of the batch's sum is not.
+        multiplier = self.runner.microbatches if self.stage.loss_divisor is not None else 1
+        self.stage.loss_multiplier = multiplier * self.scale
+        training = torch.is_grad_enabled() and module.training
+        if training:
+            self._fresh = all(p.grad is None for p in self.stage.parameters())
+            self._snapshots = [None if p is None or p.grad is None else p.grad.detach().clone() for p, _, _ in self.tied]
+        result = self.runner.step(module, args, kwargs)
+        if not training:
+            return self.output_class(logits=result) if labels is None else self.output_class(loss=result)
+        if self.scale != 1.0:
+            result.div_(self.scale)  # in place: the runner knows this tensor as the step's loss
+        self._unscaled, self._version = result.detach().clone(), result._version
+        return self.output_class(loss=result)
+
+    def after_backward(self, loss: torch.Tensor) -> None:
+        """In ``accelerator.backward``: match an in-place loss scale, then sum tied weights' gradients."""
+        if loss._version != self._version:
+            assert self._unscaled is not None
+            self._rescale(float(loss.detach() / self._unscaled))
+        elif self.scale != 1.0:
+            self._rescale(1.0)
+        for (param, shape, dtype), snapshot in zip(self.tied, self._snapshots):
+            if param is None or param.grad is None:
+                part = torch.zeros(shape, dtype=dtype, device=self.runner.device)
+            else:
+                part = param.grad.detach() - snapshot if snapshot is not None else param.grad.detach().clone()
+            dist.all_reduce(part, group=self.group)
+            if param is not None:
+                param.grad = part if snapshot is None else snapshot + part
+
+    def _rescale(self, factor: float) -> None:
+        if abs(factor - self.scale) <= 1e-6 * abs(factor):
+            return
+        if not self._fresh:
+            raise ConfigurationError(
+                f"Under pp_size > 1 the loss was scaled by {factor:g} before accelerator.backward, where the earlier "
+                f"micro-steps of this gradient window used {self.scale:g}: the backward ran inside the model call, so "
+                "scale the loss by the same factor on every step (or not at all).")
+        for param in self.stage.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor / self.scale)
+        self.scale = factor
+
+
+def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, stage_index: int,
+                           num_stages: int) -> tuple[nn.Module, TransformersStage, list[Any]]:
+    """Cut a transformers model (in place) into pipeline stage ``stage_index`` by its plan.
+
+    Returns:
+        The cut model (full-model names), the module the pipeline stage runs, and the weights tied across
+        stages as ``(parameter or None where another stage holds it, shape, dtype)`` in the same order on
+        every stage.
+    """
+    units = transformers_stage_units(model, split_points, num_stages)
+    tied = []
+    for param, stages in _tied_weights(model, units):
+        held = stage_index in stages
+        if held and stage_index != stages[0]:
+            setattr(param, PP_TIED_MIRROR, True)
+        tied.append((param if held else None, param.shape, param.dtype))
+    skip_other_stages(model, units, stage_index)
+    return model, TransformersStage(model, stage_index, num_stages), tied
+
+
+__all__ = ["PP_TIED_MIRROR", "TransformersPipelineCall", "TransformersStage", "cut_transformers_stage",
+           "transformers_pp_plan", "transformers_split_points", "transformers_stage_units"]
