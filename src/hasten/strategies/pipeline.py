@@ -92,6 +92,8 @@ class _PipelineRunner:
         self.last_loss: torch.Tensor | None = None
         #: Called with that loss in ``accelerator.backward`` (transformers models: loss scale, tied weights).
         self.backward_hooks: list[Callable[[torch.Tensor], None]] = []
+        #: Say whether a loss other than ``last_loss`` was computed from the last call's outputs.
+        self.loss_owners: list[Callable[[torch.Tensor], bool]] = []
 
     @property
     def is_first(self) -> bool:
@@ -327,7 +329,8 @@ class PipelineStrategy(Strategy):
             ConfigurationError: ``loss`` is not what the prepared model's last call returned, or the
                 accumulation steps changed since ``prepare``.
         """
-        runner = next((r for r in self._runners if r.last_loss is loss), None)  # a list of one runner
+        runner = next((r for r in self._runners if r.last_loss is loss or any(owns(loss) for owns in r.loss_owners)),
+                      None)  # a list of one runner
         if runner is None:
             raise ConfigurationError(
                 "Under pp_size > 1 the backward runs inside the prepared model's call; accelerator.backward takes "

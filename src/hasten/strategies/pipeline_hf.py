@@ -175,7 +175,8 @@ class TransformersStage(nn.Module):
     """What this process's pipeline stage runs: the transformers model's own forward on its part.
 
     Per call the prepared model sets ``carried`` (the batch tensors handed along), ``constants`` (the
-    call's other arguments), ``loss_divisor`` and ``loss_multiplier``.
+    call's other arguments), ``loss_divisor`` and ``loss_multiplier``; in training the last stage keeps
+    each micro-batch's other per-token outputs (a fused head's ``log_probs``...) in ``extras``.
 
     Args:
         model: the cut model (the other stages' units skipped), under its full-model names.
@@ -193,6 +194,10 @@ class TransformersStage(nn.Module):
         self.loss_multiplier = 1.0
         #: The model computes the loss from ``labels`` (else the last stage returns logits for ``loss_fn``).
         self.own_loss = True
+        self.extras: list[dict[str, torch.Tensor]] = []
+        self.output_type: type | None = None
+        base_parameters = inspect.signature(model.base_model.forward).parameters
+        self._base_arguments = {name for name, p in base_parameters.items() if p.kind != p.VAR_KEYWORD}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """First stages: ``(hidden states, *carried)``; the last: the micro-batch's loss share (or logits)."""
@@ -202,15 +207,21 @@ class TransformersStage(nn.Module):
         else:
             hidden, *carried = args
             inputs = {"inputs_embeds": hidden, **dict(zip(self.carried, carried))}
-        inputs.update(self.constants, use_cache=False)
-        if not self.is_last:
+        if not self.is_last:  # the base model takes only its own arguments (not a head's, such as fused_lm_head)
+            inputs.update({k: v for k, v in self.constants.items() if k in self._base_arguments}, use_cache=False)
             hidden = self.model.base_model(**inputs).last_hidden_state
             return (hidden, *(inputs[name] for name in self.carried))
+        inputs.update(self.constants, use_cache=False)
         if labels is None or not self.own_loss:
             return self.model(**inputs).logits
         if self.loss_divisor is not None:
             inputs["num_items_in_batch"] = self.loss_divisor
-        return self.model(**inputs, labels=labels).loss * self.loss_multiplier
+        output = self.model(**inputs, labels=labels)
+        self.output_type = type(output)
+        if torch.is_grad_enabled():  # training: kept for the caller (the last micro-batches' are sent)
+            self.extras.append({key: value.detach() for key, value in output.items()
+                                if isinstance(value, torch.Tensor) and key not in ("loss", "logits")})
+        return output.loss * self.loss_multiplier
 
 
 def _output_class(model: nn.Module) -> Any:
@@ -223,24 +234,48 @@ def _output_class(model: nn.Module) -> Any:
     return returned if isinstance(returned, type) and issubclass(returned, ModelOutput) else ModelOutput
 
 
+class _GradProbe(torch.autograd.Function):
+    """Identity that records the gradient reaching it: how the caller's loss depends on an output."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str, sink: dict[str, torch.Tensor]) -> torch.Tensor:
+        ctx.hasten_sink, ctx.name = sink, name
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.hasten_sink[ctx.name] = grad
+        return None, None, None
+
+
+def _probed(value: torch.Tensor, name: str, sink: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _GradProbe.apply(value.detach().requires_grad_(), name, sink)  # type: ignore[no-any-return]
+
+
 class TransformersPipelineCall:
     """The prepared transformers model's call: batch bookkeeping around the pipeline runner.
 
-    Sets the stage's per-call fields, returns the model's output type with ``.loss`` (training) or
-    ``.logits`` (evaluation without labels) on every process, and in ``accelerator.backward`` applies a
-    caller's in-place loss scale and sums tied weights' gradients over the pipeline group.
+    Sets the stage's per-call fields and returns the model's output type on every process: ``.loss``
+    (and a fused head's per-token outputs) in training, ``.logits`` in evaluation without labels. The
+    returned loss and ``log_probs`` are probes: in ``accelerator.backward(loss)`` a short backward of
+    the caller's loss through them gives the factor between it and the loss the pipeline already
+    backpropagated (Trainer's ``loss *= num_processes``, a ``/ accumulation`` or TRL's ``-log_probs.sum() /
+    num_items``), and the gradients are scaled to match; then tied weights' gradients are summed.
     """
 
     def __init__(self, model: nn.Module, stage: TransformersStage, runner: Any, group: Any,
                  tied: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]]) -> None:
         self.model, self.stage, self.runner, self.group, self.tied = model, stage, runner, group, tied
+        self.last_rank = dist.get_global_rank(group, dist.get_world_size(group) - 1)
         self.output_class = _output_class(model)
         self.causal_lm = getattr(model, "loss_type", None) == "ForCausalLM"
         self.scale = 1.0
         self._fresh = True
-        self._unscaled: torch.Tensor | None = None
-        self._version = -1
+        self._sink: dict[str, torch.Tensor] = {}
+        self._label_mask: torch.Tensor | None = None
         self._snapshots: list[torch.Tensor | None] = []
+        self._meta: dict[tuple[Any, ...], Any] = {}
+        runner.loss_owners.append(self.owns)
         runner.backward_hooks.append(self.after_backward)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -248,35 +283,67 @@ class TransformersPipelineCall:
         for name in _DROPPED:
             kwargs.pop(name, None)
         labels = kwargs.get("labels")
-        self.stage.carried = tuple(name for name in _CARRIED if isinstance(kwargs.get(name), torch.Tensor))
-        self.stage.constants = {key: kwargs.pop(key) for key in list(kwargs)
-                                if key != "labels" and not isinstance(kwargs[key], torch.Tensor)}
-        self.stage.own_loss = self.runner.user_loss_fn is None
-        self.stage.loss_divisor = num_items
+        stage = self.stage
+        stage.carried = tuple(name for name in _CARRIED if isinstance(kwargs.get(name), torch.Tensor))
+        stage.constants = {key: kwargs.pop(key) for key in list(kwargs)
+                           if key != "labels" and not isinstance(kwargs[key], torch.Tensor)}
+        stage.own_loss = self.runner.user_loss_fn is None
+        stage.loss_divisor = num_items
         if num_items is None and self.causal_lm and isinstance(labels, torch.Tensor):
-            self.stage.loss_divisor = (labels[..., 1:] != -100).sum()  # the batch's tokens, as one process counts
+            stage.loss_divisor = (labels[..., 1:] != -100).sum()  # the batch's tokens, as one process counts them
         # The runner divides each micro-batch's loss by the micro-batches: a share of the batch's sum is not.
-        multiplier = self.runner.microbatches if self.stage.loss_divisor is not None else 1
-        self.stage.loss_multiplier = multiplier * self.scale
-        training = torch.is_grad_enabled() and module.training
-        if training:
-            self._fresh = all(p.grad is None for p in self.stage.parameters())
-            self._snapshots = [None if p is None or p.grad is None else p.grad.detach().clone() for p, _, _ in self.tied]
-        result = self.runner.step(module, args, kwargs)
-        if not training:
+        multiplier = self.runner.microbatches if stage.loss_divisor is not None else 1
+        stage.loss_multiplier = multiplier * self.scale
+        if not (torch.is_grad_enabled() and module.training):
+            result = self.runner.step(module, args, kwargs)
             return self.output_class(logits=result) if labels is None else self.output_class(loss=result)
-        if self.scale != 1.0:
-            result.div_(self.scale)  # in place: the runner knows this tensor as the step's loss
-        self._unscaled, self._version = result.detach().clone(), result._version
-        return self.output_class(loss=result)
+        self._fresh = all(p.grad is None for p in stage.parameters())
+        self._snapshots = [None if p is None or p.grad is None else p.grad.detach().clone() for p, _, _ in self.tied]
+        stage.extras = []
+        result = self.runner.step(module, args, kwargs)
+        output_class, extras = self._extras(labels, stage.constants)
+        self._sink = {}
+        self._label_mask = extras.get("label_mask")
+        fields = {key: _probed(value, key, self._sink) if key == "log_probs" else value for key, value in extras.items()}
+        return output_class(loss=_probed(result / self.scale, "loss", self._sink), **fields)
+
+    def _extras(self, labels: Any, constants: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The last stage's output type and per-token outputs (whole batch), sent to every stage."""
+        # The last micro-batches' (torch's shape inference of a new schedule runs the stage once before them).
+        chunks = self.stage.extras[-self.runner.microbatches:]
+        mine = {key: torch.cat([chunk[key] for chunk in chunks]) for key in (chunks[0] if chunks else ())}
+        key = (tuple(labels.shape) if isinstance(labels, torch.Tensor) else None, tuple(sorted(constants.items())))
+        if key not in self._meta:  # once per batch shape: the type, names, shapes and dtypes
+            meta: list[Any] = [None]
+            if self.stage.is_last:
+                meta[0] = (self.stage.output_type or self.output_class, {k: (v.shape, v.dtype) for k, v in mine.items()})
+            dist.broadcast_object_list(meta, src=self.last_rank, group=self.group)
+            self._meta[key] = meta[0]
+        output_class, shapes = self._meta[key]
+        extras = {}
+        for name, (shape, dtype) in shapes.items():
+            tensor = mine[name] if self.stage.is_last else torch.empty(shape, dtype=dtype, device=self.runner.device)
+            dist.broadcast(tensor, src=self.last_rank, group=self.group)
+            extras[name] = tensor
+        return output_class, extras
+
+    def owns(self, loss: torch.Tensor) -> bool:
+        """Whether ``loss`` was computed from this call's returned outputs (its graph reaches a probe)."""
+        seen, todo = 0, [loss.grad_fn]
+        while todo and seen < 256:
+            node = todo.pop()
+            seen += 1
+            if node is None:
+                continue
+            if getattr(node, "hasten_sink", None) is self._sink:
+                return True
+            todo.extend(next_node for next_node, _ in node.next_functions)
+        return False
 
     def after_backward(self, loss: torch.Tensor) -> None:
-        """In ``accelerator.backward``: match an in-place loss scale, then sum tied weights' gradients."""
-        if loss._version != self._version:
-            assert self._unscaled is not None
-            self._rescale(float(loss.detach() / self._unscaled))
-        elif self.scale != 1.0:
-            self._rescale(1.0)
+        """In ``accelerator.backward``: match the caller's loss, then sum tied weights' gradients."""
+        torch.autograd.backward(loss)
+        self._rescale(self._factor())
         for (param, shape, dtype), snapshot in zip(self.tied, self._snapshots):
             if param is None or param.grad is None:
                 part = torch.zeros(shape, dtype=dtype, device=self.runner.device)
@@ -285,6 +352,28 @@ class TransformersPipelineCall:
             dist.all_reduce(part, group=self.group)
             if param is not None:
                 param.grad = part if snapshot is None else snapshot + part
+
+    def _factor(self) -> float:
+        """The caller's loss over the returned one, from the gradients that reached the probes.
+
+        Raises:
+            ConfigurationError: the loss weights the tokens' ``log_probs`` unequally (the pipeline
+                backpropagated their plain mean).
+        """
+        factor = float(self._sink["loss"]) if "loss" in self._sink else 0.0
+        grad = self._sink.get("log_probs")
+        if grad is not None:
+            valid = self._label_mask if self._label_mask is not None else torch.ones_like(grad, dtype=torch.bool)
+            weights = grad[valid] * -self.stage.loss_divisor
+            if weights.numel():
+                mean = weights.mean()
+                if not torch.allclose(weights, mean.expand_as(weights), rtol=1e-5, atol=1e-7 * float(mean.abs())):
+                    raise ConfigurationError(
+                        "Under pp_size > 1 the loss from the outputs' log_probs must be a constant times their sum over "
+                        "the labelled tokens (the backward ran inside the model call with that loss); this loss weights "
+                        "tokens unequally. Use the model's own loss (outputs.loss).")
+                factor += float(mean)
+        return factor
 
     def _rescale(self, factor: float) -> None:
         if abs(factor - self.scale) <= 1e-6 * abs(factor):
@@ -298,7 +387,6 @@ class TransformersPipelineCall:
             if param.grad is not None:
                 param.grad.mul_(factor / self.scale)
         self.scale = factor
-
 
 def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, stage_index: int,
                            num_stages: int) -> tuple[nn.Module, TransformersStage, list[Any]]:
