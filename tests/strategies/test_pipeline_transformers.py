@@ -108,3 +108,69 @@ def test_tied_embeddings_across_stages_stay_tied_and_equal_one_process():
     first, last = results[0], results[-1]
     assert torch.equal(first[0]["model.embed_tokens.weight"], last[0]["lm_head.weight"])  # summed, the same
     assert torch.equal(first[2]["model.embed_tokens.weight"], last[2]["lm_head.weight"])
+
+
+def test_split_points_deal_out_layers_evenly_and_lighten_the_edge_stages_on_request():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hasten.strategies.pipeline_hf import cut_transformers_stage, transformers_split_points
+    from hasten.strategies.pipeline_split import SkippedModule
+
+    def llama():
+        return LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=8,
+                                            num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False))
+
+    assert transformers_split_points(llama(), 4) == ["model.layers.2", "model.layers.4", "model.layers.6"]
+    assert transformers_split_points(llama(), 4, first_stage_less_layers=1, last_stage_less_layers=1) == [
+        "model.layers.1", "model.layers.3", "model.layers.6"]
+    full = set(llama().state_dict())
+    kept = []
+    for stage in range(3):
+        model, _, tied = cut_transformers_stage(llama(), ["model.layers.3", "model.layers.6"], stage, 3)
+        assert not tied
+        assert not isinstance(model.model.rotary_emb, SkippedModule)  # outside the plan: on every stage
+        kept.append(set(model.state_dict()))
+    assert {"model.embed_tokens.weight", "model.layers.2.mlp.up_proj.weight"} <= kept[0]
+    assert "model.layers.3.mlp.up_proj.weight" in kept[1] and "model.layers.6.mlp.up_proj.weight" not in kept[1]
+    assert {"model.norm.weight", "lm_head.weight", "model.layers.7.mlp.up_proj.weight"} <= kept[2]
+    assert kept[0] | kept[1] | kept[2] == full and not (kept[0] & kept[1] or kept[1] & kept[2])
+
+
+def test_weights_outside_the_plan_and_unknown_split_points_are_refused():
+    from hasten.exceptions import ConfigurationError
+    from hasten.strategies.pipeline_hf import cut_transformers_stage
+
+    model = _llama(tied=False)
+    model.model.adapter = torch.nn.Linear(16, 16)
+    with pytest.raises(ConfigurationError, match=r"weights outside its pipeline plan \(\['model.adapter.weight'"):
+        cut_transformers_stage(model, None, 0, 2)
+    with pytest.raises(ConfigurationError, match="needs 1 split points among its pipeline units"):
+        cut_transformers_stage(_llama(tied=False), ["model.layers.1.mlp"], 0, 2)
+
+
+def _scaled_losses(factors: list[float]):
+    """One window of micro-steps without zero_grad, backward of ``factor * outputs.loss`` for each factor."""
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.exceptions import ConfigurationError
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_microbatches=2), cpu=True)
+    model = accelerator.prepare(_llama(tied=True))
+    try:
+        for factor, batch in zip(factors, _batches()):
+            accelerator.backward(model(**batch).loss * factor)
+    except ConfigurationError as error:
+        return str(error)
+    return {name: p.grad.clone() for name, p in accelerator.unwrap_model(model).named_parameters()}
+
+
+def test_a_loss_scaled_by_the_caller_scales_the_gradients_and_a_changed_scale_is_refused():
+    model = _llama(tied=True)
+    for factor, batch in zip([3.0, 3.0], _batches()):
+        (model(**batch).loss * factor).backward()
+    results = run_on_ranks(_scaled_losses, world_size=2, args=([3.0, 3.0],))
+    for grads in results:
+        for name, grad in grads.items():
+            want = dict(model.named_parameters(remove_duplicate=False))[name].grad
+            assert torch.allclose(grad, want, rtol=0, atol=1e-5), name
+    refused = run_on_ranks(_scaled_losses, world_size=2, args=([3.0, 5.0],))
+    assert all("scaled by 5 before accelerator.backward" in message for message in refused)

@@ -98,8 +98,8 @@ def _plan_units(model: nn.Module, plan: list[str]) -> tuple[list[tuple[str, bool
     if weighted:
         raise ConfigurationError(
             f"{type(model).__name__} has weights outside its pipeline plan ({weighted[:4]}): they would be trained "
-            "on every stage. Pass ParallelismConfig(pp_split_points=[...]) naming where stages begin, with those "
-            "modules inside a stage.")
+            "on every stage. Name their module in the plan (model.pp_plan = {**model.pp_plan, 'NAME': (inputs, "
+            "outputs)}; it goes to the stage of the units beside it) or keep those weights inside a planned module.")
     if not any(is_layer for _, is_layer in units):
         raise ConfigurationError(f"{type(model).__name__}'s pipeline plan {plan} has no list of layers to deal out "
                                  "over the stages.")
@@ -117,7 +117,7 @@ def transformers_split_points(model: nn.Module, num_stages: int, *, first_stage_
 
     Example:
         >>> transformers_split_points(llama_with_8_layers, 4, first_stage_less_layers=1, last_stage_less_layers=1)
-        ['model.layers.1', 'model.layers.4', 'model.layers.7']
+        ['model.layers.1', 'model.layers.3', 'model.layers.6']
 
     Raises:
         ConfigurationError: the model has no pipeline plan, or a stage would get fewer than no layers.
