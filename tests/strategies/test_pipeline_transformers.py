@@ -148,6 +148,19 @@ def test_weights_outside_the_plan_and_unknown_split_points_are_refused():
         cut_transformers_stage(_llama(tied=False), ["model.layers.1.mlp"], 0, 2)
 
 
+def test_save_pretrained_of_one_stage_is_refused_and_works_with_the_full_weights(tmp_path):
+    from hasten.exceptions import ConfigurationError
+    from hasten.strategies.pipeline_hf import cut_transformers_stage
+
+    full = _llama(tied=False).state_dict()
+    stage, _, _ = cut_transformers_stage(_llama(tied=False), None, 0, 2)
+    with pytest.raises(ConfigurationError, match="holds one pipeline stage"):
+        stage.save_pretrained(tmp_path / "stage")
+    assert not (tmp_path / "stage").exists()
+    stage.save_pretrained(tmp_path / "full", state_dict=full)
+    assert (tmp_path / "full" / "model.safetensors").is_file()
+
+
 def _scaled_losses(factors: list[float]):
     """One window of micro-steps without zero_grad, backward of ``factor * outputs.loss`` for each factor."""
     from hasten import Accelerator, ParallelismConfig
@@ -174,3 +187,36 @@ def test_a_loss_scaled_by_the_caller_scales_the_gradients_and_a_changed_scale_is
             assert torch.allclose(grad, want, rtol=0, atol=1e-5), name
     refused = run_on_ranks(_scaled_losses, world_size=2, args=([3.0, 5.0],))
     assert all("scaled by 5 before accelerator.backward" in message for message in refused)
+
+
+def _save_after_one_step(folder: str):
+    from hasten import Accelerator, ParallelismConfig
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_microbatches=2), cpu=True)
+    model = _llama(tied=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.backward(model(**_batches()[0]).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    accelerator.save_state(folder)
+    accelerator.load_state(folder)
+    return {name: p.detach().clone() for name, p in accelerator.unwrap_model(model).named_parameters()}
+
+
+def test_tied_embeddings_save_state_writes_the_full_model_and_loads_back(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _llama(tied=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(**_batches()[0]).loss.backward()
+    optimizer.step()
+    want = dict(model.named_parameters())
+    results = run_on_ranks(_save_after_one_step, world_size=2, args=(str(tmp_path / "ckpt"),))
+    saved = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert set(want) <= set(saved)
+    for name, weight in want.items():
+        assert torch.allclose(saved[name], weight, rtol=0, atol=1e-6), name
+    for stage_weights in results:  # loaded back onto each stage
+        for name, weight in stage_weights.items():
+            assert torch.allclose(weight, want[name], rtol=0, atol=1e-6), name

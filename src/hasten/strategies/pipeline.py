@@ -281,8 +281,11 @@ class PipelineStrategy(Strategy):
                 self._layouts[id(optimizer)] = str(error)
         stage_index = int(self.device_mesh.get_local_rank("pp"))
         points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
+        stage_module: nn.Module
+        hf_stage: pipeline_hf.TransformersStage | None = None
         if transformers_model:
-            model, stage_module, tied = pipeline_hf.cut_transformers_stage(models[0], points, stage_index, stages)
+            model, hf_stage, tied = pipeline_hf.cut_transformers_stage(models[0], points, stage_index, stages)
+            stage_module = hf_stage
         else:
             model = stage_module = cut_stage(models[0], points or [], stage_index, stages)
         if device_placement[0]:
@@ -295,8 +298,8 @@ class PipelineStrategy(Strategy):
         runner = _PipelineRunner(stage_module, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
-        if transformers_model:
-            call = pipeline_hf.TransformersPipelineCall(model, stage_module, runner, self._pp_group(), tied)
+        if hf_stage is not None:
+            call = pipeline_hf.TransformersPipelineCall(model, hf_stage, runner, self._pp_group(), tied)
             return [PipelinedModel(model, runner, call)], optimizers
         return [PipelinedModel(model, runner)], optimizers
 
@@ -360,8 +363,9 @@ class PipelineStrategy(Strategy):
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the total norm over every stage's gradients (this stage's norm reduced over ``pp``)."""
         params = [p for p in parameters if p.grad is not None]
-        grads = [p.grad for p in params]
-        counted = [p.grad for p in params if not getattr(p, pipeline_hf.PP_TIED_MIRROR, False)]  # a tied weight counts once
+        grads = [p.grad for p in params if p.grad is not None]
+        counted = [p.grad for p in params  # a weight tied across stages counts once
+                   if p.grad is not None and not getattr(p, pipeline_hf.PP_TIED_MIRROR, False)]
         norm_type = float(norm_type)
         local = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in counted]),
                                           norm_type) if counted else torch.zeros((), device=self.device))

@@ -86,8 +86,10 @@ def _plan_units(model: nn.Module, plan: list[str]) -> tuple[list[tuple[str, bool
         for child_name, child in module.named_children():
             name = f"{prefix}{child_name}"
             if name in plan:
-                is_list = isinstance(child, nn.ModuleList)
-                units.extend([(f"{name}.{i}", True) for i in range(len(child))] if is_list else [(name, False)])
+                if isinstance(child, nn.ModuleList):
+                    units.extend((f"{name}.{i}", True) for i in range(len(child)))
+                else:
+                    units.append((name, False))
             elif name in ancestors:
                 walk(child, f"{name}.")
             else:
@@ -196,7 +198,8 @@ class TransformersStage(nn.Module):
         self.own_loss = True
         self.extras: list[dict[str, torch.Tensor]] = []
         self.output_type: type | None = None
-        base_parameters = inspect.signature(model.base_model.forward).parameters
+        self.base_model: nn.Module = model.base_model  # type: ignore[assignment]
+        base_parameters = inspect.signature(self.base_model.forward).parameters
         self._base_arguments = {name for name, p in base_parameters.items() if p.kind != p.VAR_KEYWORD}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -209,7 +212,7 @@ class TransformersStage(nn.Module):
             inputs = {"inputs_embeds": hidden, **dict(zip(self.carried, carried))}
         if not self.is_last:  # the base model takes only its own arguments (not a head's, such as fused_lm_head)
             inputs.update({k: v for k, v in self.constants.items() if k in self._base_arguments}, use_cache=False)
-            hidden = self.model.base_model(**inputs).last_hidden_state
+            hidden = self.base_model(**inputs).last_hidden_state
             return (hidden, *(inputs[name] for name in self.carried))
         inputs.update(self.constants, use_cache=False)
         if labels is None or not self.own_loss:
@@ -404,8 +407,33 @@ def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, sta
         if held and stage_index != stages[0]:
             setattr(param, PP_TIED_MIRROR, True)
         tied.append((param if held else None, param.shape, param.dtype))
-    skip_other_stages(model, units, stage_index)
+    # A unit whose weights this stage holds anyway (the embedding beside a tied head) stays, costing
+    # nothing: the stage then knows the weight under all its names, as the full model does.
+    mine = {id(p) for name, stage in units if stage == stage_index for p in model.get_submodule(name).parameters()}
+    kept = [(name, stage_index if params and {id(p) for p in params} <= mine else stage) for name, stage in units
+            for params in [list(model.get_submodule(name).parameters())]]
+    skip_other_stages(model, kept, stage_index)
+    _guard_save_pretrained(model)
     return model, TransformersStage(model, stage_index, num_stages), tied
+
+
+def _guard_save_pretrained(model: nn.Module) -> None:
+    """The cut model's ``save_pretrained`` without a ``state_dict`` would write one stage as the whole
+    model: refuse that; with the gathered one (``accelerator.get_state_dict``) it saves as usual."""
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if save_pretrained is None:
+        return
+
+    def guarded(*args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
+        if state_dict is None:
+            raise ConfigurationError(
+                "Under pp_size > 1 this model object holds one pipeline stage; save_pretrained would write that stage "
+                "alone. Pass the full weights: model.save_pretrained(path, state_dict=accelerator.get_state_dict("
+                "model)) on every process (it gathers), or accelerator.save_model(model, path). Transformers' Trainer "
+                "saves this way: use save_strategy='no' and save with trainer.accelerator.get_state_dict.")
+        return save_pretrained(*args, state_dict=state_dict, **kwargs)
+
+    model.save_pretrained = guarded  # type: ignore[method-assign]
 
 
 __all__ = ["PP_TIED_MIRROR", "TransformersPipelineCall", "TransformersStage", "cut_transformers_stage",
