@@ -104,8 +104,9 @@ def test_same_losses_as_accelerate_with_dropout(tmp_path, processes):
 
 @pytest.mark.parametrize("trainer, extra", [("trainer", ["--accumulation", "2", "--tied"]), ("sft", [])])
 def test_trainer_and_sft_trainer_with_pp_size_2_from_the_launch_config_equal_pp_size_1(tmp_path, trainer, extra):
-    """The same script, pp_size=2 set only in the launch config: losses and final weights as on one process
-    (padded batches, gradient accumulation with tied embeddings across the stages, TRL's fused-head loss)."""
+    """The same script, pp_size=2 set only in the launch config: losses, final weights and Trainer's evaluation
+    loss as on one process (padded batches, gradient accumulation with tied embeddings across the stages, TRL's
+    fused-head loss)."""
     script = [str(SCRIPTS / "pp_trainer.py"), "--trainer", trainer, *extra]
     (tmp_path / "one").mkdir()
     (tmp_path / "pp").mkdir()
@@ -118,6 +119,8 @@ def test_trainer_and_sft_trainer_with_pp_size_2_from_the_launch_config_equal_pp_
     assert sorted(pp["losses"]) == sorted(one["losses"]) == ["1", "2", "3"]
     for step, loss in one["losses"].items():
         assert pp["losses"][step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
+    if trainer == "trainer":  # Trainer.evaluate(): the model's loss over the logits sent from the last stage
+        assert pp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
     import torch
 
     want, got = torch.load(tmp_path / "one" / "weights.pt"), torch.load(tmp_path / "pp" / "weights.pt")

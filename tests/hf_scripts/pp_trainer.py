@@ -1,6 +1,6 @@
 """Transformers' Trainer or TRL's SFTTrainer on a tiny Llama (from a config, synthetic text, no hub), unchanged
-whatever the launch config's pipeline size. Rank 0 prints one ``RESULT {json}`` line with the logged losses and
-writes the final full weights (``accelerator.get_state_dict``) to ``weights.pt``.
+whatever the launch config's pipeline size. Rank 0 prints one ``RESULT {json}`` line with the logged losses (and
+Trainer's evaluation loss) and writes the final full weights (``accelerator.get_state_dict``) to ``weights.pt``.
 
 Run under ``hasten launch`` (a config with ``parallelism_config_pp_size``) or plain ``python --alias``.
 """
@@ -87,15 +87,18 @@ def main():
         trainer = SFTTrainer(model=llama(), args=config, train_dataset=Dataset.from_dict({"text": sentences()}),
                              processing_class=tok, callbacks=[losses])
     else:
-        trainer = Trainer(model=llama(), args=TrainingArguments(**common), train_dataset=lm_dataset(tok),
-                          callbacks=[losses])
+        data = lm_dataset(tok)
+        trainer = Trainer(model=llama(), args=TrainingArguments(per_device_eval_batch_size=8, **common),
+                          train_dataset=data, eval_dataset=data[:16], callbacks=[losses])
     trainer.train()
+    evaluated = trainer.evaluate() if options.trainer == "trainer" else {}
     accelerator = trainer.accelerator
     weights = accelerator.get_state_dict(trainer.model_wrapped)
     if accelerator.is_main_process:
         torch.save({k: v.detach().cpu() for k, v in weights.items()}, "weights.pt")
         parallelism = accelerator.parallelism_config
         print("RESULT " + json.dumps({"processes": accelerator.num_processes, "losses": losses.losses,
+                                      "eval_loss": evaluated.get("eval_loss"),
                                       "pp_size": getattr(parallelism, "pp_size", 1) or 1}), flush=True)
 
 

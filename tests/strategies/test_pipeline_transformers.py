@@ -53,6 +53,9 @@ def _reference(tied: bool):
         optimizer.zero_grad()
         losses.append(loss.item())
     weights = {name: p.detach().clone() for name, p in model.state_dict(keep_vars=True).items()}
+    model.eval()
+    with torch.no_grad():
+        losses += [model(**_batches()[0]).loss.item()] * 2
     return grads, losses, weights
 
 
@@ -77,6 +80,11 @@ def _pipelined(tied: bool, microbatches: int, split_points: list[str] | None):
         optimizer.zero_grad()
         losses.append(outputs.loss.item())
     weights = {name: p.detach().clone() for name, p in accelerator.unwrap_model(model).state_dict().items()}
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(**_batches()[0])
+        unwrapped = accelerator.unwrap_model(model)(**_batches()[0])  # what Trainer evaluates with
+    losses += [evaluated.loss.item(), unwrapped.loss.item()]  # evaluation with labels: the loss over the logits
     return grads, losses, weights, type(outputs).__name__
 
 

@@ -13,6 +13,7 @@ Each stage runs the model's own forward (:class:`TransformersStage`): the first 
 from ``input_ids``, the next ones the base model from the received hidden states as ``inputs_embeds``
 (the skipped modules hand them through), the last one the whole model with ``labels``, so the loss
 is the model's ``loss_function``. ``attention_mask`` and ``position_ids`` travel with the hidden states.
+The cut model's own ``forward`` is routed into the pipeline too (Trainer evaluates the unwrapped model).
 
 The loss is token-normalised over the whole batch, as one process computes it: the last stage divides
 each micro-batch's token sum by ``num_items_in_batch`` when the caller passes it (Trainer does) and by
@@ -199,6 +200,8 @@ class TransformersStage(nn.Module):
         self.extras: list[dict[str, torch.Tensor]] = []
         self.output_type: type | None = None
         self.base_model: nn.Module = model.base_model  # type: ignore[assignment]
+        #: The model's forward as it was before the cut (a trainer may have patched it, as TRL's fused head does).
+        self.model_forward: Any = model.forward
         base_parameters = inspect.signature(self.base_model.forward).parameters
         self._base_arguments = {name for name, p in base_parameters.items() if p.kind != p.VAR_KEYWORD}
 
@@ -216,10 +219,10 @@ class TransformersStage(nn.Module):
             return (hidden, *(inputs[name] for name in self.carried))
         inputs.update(self.constants, use_cache=False)
         if labels is None or not self.own_loss:
-            return self.model(**inputs).logits
+            return self.model_forward(**inputs).logits
         if self.loss_divisor is not None:
             inputs["num_items_in_batch"] = self.loss_divisor
-        output = self.model(**inputs, labels=labels)
+        output = self.model_forward(**inputs, labels=labels)
         self.output_type = type(output)
         if torch.is_grad_enabled():  # training: kept for the caller (the last micro-batches' are sent)
             self.extras.append({key: value.detach() for key, value in output.items()
@@ -268,7 +271,8 @@ class TransformersPipelineCall:
 
     def __init__(self, model: nn.Module, stage: TransformersStage, runner: Any, group: Any,
                  tied: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]]) -> None:
-        self.model, self.stage, self.runner, self.group, self.tied = model, stage, runner, group, tied
+        self.model: Any = model  # a transformers model (its loss_function and config are read)
+        self.stage, self.runner, self.group, self.tied = stage, runner, group, tied
         self.last_rank = dist.get_global_rank(group, dist.get_world_size(group) - 1)
         self.output_class = _output_class(model)
         self.causal_lm = getattr(model, "loss_type", None) == "ForCausalLM"
@@ -280,6 +284,13 @@ class TransformersPipelineCall:
         self._meta: dict[tuple[Any, ...], Any] = {}
         runner.loss_owners.append(self.owns)
         runner.backward_hooks.append(self.after_backward)
+
+        def pipelined_forward(*args: Any, **kwargs: Any) -> Any:
+            return self(model, args, kwargs)
+
+        # The unwrapped model (what Trainer evaluates with) runs the pipeline too: its own forward would run
+        # one stage of the model, the others' modules handing their input through.
+        model.forward = pipelined_forward  # type: ignore[method-assign]
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         num_items = kwargs.pop("num_items_in_batch", None)
@@ -298,8 +309,7 @@ class TransformersPipelineCall:
         multiplier = self.runner.microbatches if stage.loss_divisor is not None else 1
         stage.loss_multiplier = multiplier * self.scale
         if not (torch.is_grad_enabled() and module.training):
-            result = self.runner.step(module, args, kwargs)
-            return self.output_class(logits=result) if labels is None else self.output_class(loss=result)
+            return self._evaluate(module, args, kwargs, labels)
         self._fresh = all(p.grad is None for p in stage.parameters())
         self._snapshots = [None if p is None or p.grad is None else p.grad.detach().clone() for p, _, _ in self.tied]
         stage.extras = []
@@ -309,6 +319,17 @@ class TransformersPipelineCall:
         self._label_mask = extras.get("label_mask")
         fields = {key: _probed(value, key, self._sink) if key == "log_probs" else value for key, value in extras.items()}
         return output_class(loss=_probed(result / self.scale, "loss", self._sink), **fields)
+
+    def _evaluate(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> Any:
+        """Forward only: the logits on every process; with labels, a causal LM's own loss over them too."""
+        if labels is None or not self.stage.own_loss or not self.causal_lm:
+            result = self.runner.step(module, args, kwargs)  # refuses labels without a loss it can compute
+            return self.output_class(logits=result) if labels is None else self.output_class(loss=result)
+        del kwargs["labels"]
+        logits = self.runner.step(module, args, kwargs)
+        loss = self.model.loss_function(logits=logits, labels=labels, vocab_size=self.model.config.vocab_size,
+                                        num_items_in_batch=self.stage.loss_divisor)  # the caller's, as in training
+        return self.output_class(loss=loss, logits=logits)
 
     def _extras(self, labels: Any, constants: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
         """The last stage's output type and per-token outputs (whole batch), sent to every stage."""
@@ -433,7 +454,7 @@ def _guard_save_pretrained(model: nn.Module) -> None:
                 "saves this way: use save_strategy='no' and save with trainer.accelerator.get_state_dict.")
         return save_pretrained(*args, state_dict=state_dict, **kwargs)
 
-    model.save_pretrained = guarded  # type: ignore[method-assign]
+    model.save_pretrained = guarded  # type: ignore[assignment]
 
 
 __all__ = ["PP_TIED_MIRROR", "TransformersPipelineCall", "TransformersStage", "cut_transformers_stage",
