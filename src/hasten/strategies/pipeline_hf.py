@@ -65,8 +65,10 @@ def transformers_pp_plan(model: nn.Module) -> list[str] | None:
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     missing = [name for name in plan if name not in order]
     if missing:
-        raise ConfigurationError(f"{type(model).__name__}'s pipeline plan names {missing}, which are not its modules; "
-                                 "pass ParallelismConfig(pp_split_points=[...]) with module names instead.")
+        raise ConfigurationError(
+            f"{type(model).__name__}'s pipeline plan names {missing}, which are not its own modules: a wrapped "
+            "transformers model (PEFT's, say) is not split under pp_size > 1 yet; prepare the transformers model "
+            "itself.")
     return sorted(plan, key=order.__getitem__)
 
 
@@ -336,7 +338,8 @@ class TransformersPipelineCall:
         # The last micro-batches' (torch's shape inference of a new schedule runs the stage once before them).
         chunks = self.stage.extras[-self.runner.microbatches:]
         mine = {key: torch.cat([chunk[key] for chunk in chunks]) for key in (chunks[0] if chunks else ())}
-        key = (tuple(labels.shape) if isinstance(labels, torch.Tensor) else None, tuple(sorted(constants.items())))
+        key = (tuple(labels.shape) if isinstance(labels, torch.Tensor) else None,
+               tuple(sorted((name, repr(value)) for name, value in constants.items())))
         if key not in self._meta:  # once per batch shape: the type, names, shapes and dtypes
             meta: list[Any] = [None]
             if self.stage.is_last:
