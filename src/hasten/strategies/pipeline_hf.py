@@ -405,15 +405,20 @@ class TransformersPipelineCall:
     def _rescale(self, factor: float) -> None:
         if abs(factor - self.scale) <= 1e-6 * abs(factor):
             return
+        if factor == 0.0:
+            raise ConfigurationError("Under pp_size > 1 the loss given to accelerator.backward does not depend on the "
+                                     "model's outputs (its gradient through them is zero); pass outputs.loss.")
         if not self._fresh:
             raise ConfigurationError(
                 f"Under pp_size > 1 the loss was scaled by {factor:g} before accelerator.backward, where the earlier "
                 f"micro-steps of this gradient window used {self.scale:g}: the backward ran inside the model call, so "
-                "scale the loss by the same factor on every step (or not at all).")
+                "scale the loss by the same factor on every step (or not at all). A new factor is taken at the first "
+                "backward after optimizer.zero_grad() (set_to_none=True, the default).")
         for param in self.stage.parameters():
             if param.grad is not None:
                 param.grad.mul_(factor / self.scale)
         self.scale = factor
+
 
 def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, stage_index: int,
                            num_stages: int) -> tuple[nn.Module, TransformersStage, list[Any]]:
