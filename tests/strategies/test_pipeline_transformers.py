@@ -228,3 +228,29 @@ def test_tied_embeddings_save_state_writes_the_full_model_and_loads_back(tmp_pat
     for stage_weights in results:  # loaded back onto each stage
         for name, weight in stage_weights.items():
             assert torch.allclose(weight, want[name], rtol=0, atol=1e-6), name
+
+
+def _replica_half(batch: dict[str, torch.Tensor], replica: int) -> dict[str, torch.Tensor]:
+    return {key: value[2 * replica:2 * replica + 2] for key, value in batch.items()}
+
+
+def _pp_by_ddp_grads():
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, dp_replicate_size=2, pp_microbatches=2)
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = accelerator.prepare(_llama(tied=True))
+    replica = int(accelerator.torch_device_mesh.get_local_rank("dp_replicate"))
+    accelerator.backward(model(**_replica_half(_batches()[0], replica)).loss)
+    unwrapped = accelerator.unwrap_model(model)
+    return {name: p.grad.clone() for name, p in unwrapped.named_parameters(remove_duplicate=False)}
+
+
+def test_pp2_by_ddp2_with_tied_embeddings_equals_ddp():
+    """Each replica's loss over its own tokens, averaged over the replicas, as DDP does."""
+    model = _llama(tied=True)
+    (sum(model(**_replica_half(_batches()[0], replica)).loss for replica in range(2)) / 2).backward()
+    want = dict(model.named_parameters(remove_duplicate=False))
+    for grads in run_on_ranks(_pp_by_ddp_grads, world_size=4):
+        for name, grad in grads.items():
+            assert torch.allclose(grad, want[name].grad, rtol=0, atol=1e-6), name
