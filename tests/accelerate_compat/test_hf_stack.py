@@ -100,3 +100,30 @@ def test_same_losses_as_accelerate_with_dropout(tmp_path, processes):
     assert theirs["processes"] == ours["processes"] == processes
     assert ours["losses"] == theirs["losses"]
     assert ours["eval_loss"] == theirs["eval_loss"]
+
+
+@pytest.mark.parametrize("trainer, extra", [("trainer", ["--accumulation", "2", "--tied"]), ("sft", [])])
+def test_trainer_and_sft_trainer_with_pp_size_2_from_the_launch_config_equal_pp_size_1(tmp_path, trainer, extra):
+    """The same script, pp_size=2 set only in the launch config: losses, final weights and Trainer's evaluation
+    loss as on one process (padded batches, gradient accumulation with tied embeddings across the stages, TRL's
+    fused-head loss)."""
+    script = [str(SCRIPTS / "pp_trainer.py"), "--trainer", trainer, *extra]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "pp").mkdir()
+    config = tmp_path / "pp.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nmixed_precision: 'no'\n"
+                      "parallelism_config:\n  parallelism_config_pp_size: 2\n  parallelism_config_pp_microbatches: 2\n")
+    one = _result(run([hf_python(), *script, "--alias"], tmp_path / "one"))
+    pp = _result(hasten_launch(tmp_path / "pp", "--config_file", str(config), *script))
+    assert (one["processes"], one["pp_size"], pp["processes"], pp["pp_size"]) == (1, 1, 2, 2)
+    assert sorted(pp["losses"]) == sorted(one["losses"]) == ["1", "2", "3"]
+    for step, loss in one["losses"].items():
+        assert pp["losses"][step] == pytest.approx(loss, rel=1e-5, abs=1e-5), step
+    if trainer == "trainer":  # Trainer.evaluate(): the model's loss over the logits sent from the last stage
+        assert pp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    import torch
+
+    want, got = torch.load(tmp_path / "one" / "weights.pt"), torch.load(tmp_path / "pp" / "weights.pt")
+    assert sorted(got) == sorted(want)
+    for name, weight in want.items():
+        assert torch.allclose(got[name], weight, rtol=0, atol=1e-5), name

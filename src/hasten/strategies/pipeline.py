@@ -35,6 +35,7 @@ from hasten.checkpointing.sinks import Sink
 from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
+from hasten.strategies import pipeline_hf
 from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_single_process_files
 from hasten.strategies.pipeline_checkpoint import (
     check_shapes,
@@ -57,17 +58,20 @@ _DCP = "dcp"
 class PipelinedModel(nn.Module):
     """The prepared model under pipeline parallelism: calling it runs the pipelined forward and backward.
 
-    ``module`` is this process's stage (the user's model with the other stages' modules made no-ops).
+    ``module`` is this process's stage (the user's model with the other stages' modules made no-ops);
+    ``call`` replaces the runner's step for models with their own calling conventions (transformers).
     """
 
-    def __init__(self, module: nn.Module, runner: _PipelineRunner) -> None:
+    def __init__(self, module: nn.Module, runner: _PipelineRunner,
+                 call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any] | None = None) -> None:
         super().__init__()
         self.module = module
         self._runner = runner
+        self._call = call if call is not None else runner.step
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the whole step on this batch; returns the batch's mean loss (on every process)."""
-        return self._runner.step(self.module, args, kwargs)
+        return self._call(self.module, args, kwargs)
 
 
 class _PipelineRunner:
@@ -95,6 +99,10 @@ class _PipelineRunner:
         self.schedules: dict[tuple[Any, ...], Any] = {}
         #: The loss the last step returned (what ``accelerator.backward`` accepts).
         self.last_loss: torch.Tensor | None = None
+        #: Called with that loss in ``accelerator.backward`` (transformers models: loss scale, tied weights).
+        self.backward_hooks: list[Callable[[torch.Tensor], None]] = []
+        #: Say whether a loss other than ``last_loss`` was computed from the last call's outputs.
+        self.loss_owners: list[Callable[[torch.Tensor], bool]] = []
 
     @property
     def is_first(self) -> bool:
@@ -267,7 +275,8 @@ class PipelineStrategy(Strategy):
             raise ConfigurationError(f"pp_size > 1 prepares one model for training per run; got {len(models)} models"
                                      f"{' for evaluation' if evaluation_mode else ''} in this prepare call.")
         stages = int(self.config.pp_size)  # type: ignore[arg-type]
-        if self.config.pp_split_points is None:
+        transformers_model = pipeline_hf.transformers_pp_plan(models[0]) is not None
+        if self.config.pp_split_points is None and not transformers_model:
             raise ConfigurationError(
                 f"pp_size={stages} but {type(models[0]).__name__} has no split points: pass ParallelismConfig("
                 f"pp_size={stages}, pp_split_points=[...]) with the {stages - 1} module names where stages 1.. begin "
@@ -279,8 +288,15 @@ class PipelineStrategy(Strategy):
                 self._layouts[id(optimizer)] = optimizer_layout(models[0], optimizer)
             except CheckpointError as error:  # raised if it is ever saved: training needs no names
                 self._layouts[id(optimizer)] = str(error)
-        model = cut_stage(models[0], list(self.config.pp_split_points), int(self.device_mesh.get_local_rank("pp")),
-                          stages)
+        stage_index = int(self.device_mesh.get_local_rank("pp"))
+        points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
+        stage_module: nn.Module
+        hf_stage: pipeline_hf.TransformersStage | None = None
+        if transformers_model:
+            model, hf_stage, tied = pipeline_hf.cut_transformers_stage(models[0], points, stage_index, stages)
+            stage_module = hf_stage
+        else:
+            model = stage_module = cut_stage(models[0], points or [], stage_index, stages)
         if device_placement[0]:
             model = model.to(self.device)
         self.apply_precision(model)
@@ -288,11 +304,16 @@ class PipelineStrategy(Strategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in kept]
-        if shards_stages(self.config):  # PP x FSDP2: the stage sharded over its dp_shard sub-mesh
+        if shards_stages(self.config):  # PP x FSDP2: the stage sharded over its dp_shard sub-mesh, in place
             model = shard_stage(model, self.config, self.device_mesh, optimizers)
-        runner = _PipelineRunner(model, self.config, self.device_mesh, self.device, self._loss_fn,
+            if hf_stage is None:
+                stage_module = model
+        runner = _PipelineRunner(stage_module, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
+        if hf_stage is not None:
+            call = pipeline_hf.TransformersPipelineCall(model, hf_stage, runner, self._pp_group(), tied)
+            return [PipelinedModel(model, runner, call)], optimizers
         return [PipelinedModel(model, runner)], optimizers
 
     def compile(self, model: nn.Module, backend: str, options: dict[str, Any]) -> nn.Module:
@@ -324,7 +345,8 @@ class PipelineStrategy(Strategy):
             ConfigurationError: ``loss`` is not what the prepared model's last call returned, or the
                 accumulation steps changed since ``prepare``.
         """
-        runner = next((r for r in self._runners if r.last_loss is loss), None)  # a list of one runner
+        runner = next((r for r in self._runners if r.last_loss is loss or any(owns(loss) for owns in r.loss_owners)),
+                      None)  # a list of one runner
         if runner is None:
             raise ConfigurationError(
                 "Under pp_size > 1 the backward runs inside the prepared model's call; accelerator.backward takes "
@@ -333,6 +355,8 @@ class PipelineStrategy(Strategy):
         if accumulation_steps != runner.accumulation_steps:
             raise ConfigurationError(f"gradient_accumulation_steps changed from {runner.accumulation_steps} (at prepare) "
                                      f"to {accumulation_steps}: under pp_size > 1 set it before prepare.")
+        for hook in runner.backward_hooks:
+            hook(loss)
         if sync and self.config.dp_replicate_enabled and not shards_stages(self.config):  # else FSDP2 reduced
             self._average_over_replicas(runner.module)
 
@@ -351,11 +375,14 @@ class PipelineStrategy(Strategy):
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the total norm over every stage's gradients (this stage's norm reduced over ``pp``)."""
-        grads = [p.grad for p in parameters if p.grad is not None]
+        params = [p for p in parameters if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
+        counted = [p.grad for p in params  # a weight tied across stages counts once
+                   if p.grad is not None and not getattr(p, pipeline_hf.PP_TIED_MIRROR, False)]
         norm_type = float(norm_type)
-        local = (full_value(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
+        local = (full_value(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in counted]),
                                                      norm_type))  # sharded gradients: the norm over their shards
-                 if grads else torch.zeros((), device=self.device))
+                 if counted else torch.zeros((), device=self.device))
         group = self.device_mesh["pp"].get_group()
         if norm_type == float("inf"):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)

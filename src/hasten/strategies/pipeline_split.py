@@ -109,11 +109,25 @@ def cut_stage(model: nn.Module, split_points: list[str], stage_index: int, num_s
         ``model`` itself, holding only its stage's parameters, under their full-model names.
     """
     num_stages = len(split_points) + 1 if num_stages is None else num_stages
-    for name, stage in stage_units(model, split_points, num_stages):
+    return skip_other_stages(model, stage_units(model, split_points, num_stages), stage_index)
+
+
+def skip_other_stages(model: nn.Module, units: list[tuple[str, int]], stage_index: int) -> nn.Module:
+    """Replace (in place) every unit whose stage is not ``stage_index`` by a :class:`SkippedModule`.
+
+    Args:
+        model: the full model.
+        units: ``(module name, stage)`` pairs, e.g. from :func:`stage_units`.
+        stage_index: the stage this process keeps.
+
+    Returns:
+        ``model`` itself, its kept modules under their full-model names.
+    """
+    for name, stage in units:
         if stage != stage_index:
             parent_name, _, child = name.rpartition(".")
             model.get_submodule(parent_name).register_module(child, SkippedModule(name))
     return model
 
 
-__all__ = ["SkippedModule", "cut_stage", "stage_units"]
+__all__ = ["SkippedModule", "cut_stage", "skip_other_stages", "stage_units"]
