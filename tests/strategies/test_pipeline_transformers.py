@@ -254,3 +254,46 @@ def test_pp2_by_ddp2_with_tied_embeddings_equals_ddp():
     for grads in run_on_ranks(_pp_by_ddp_grads, world_size=4):
         for name, grad in grads.items():
             assert torch.allclose(grad, want[name].grad, rtol=0, atol=1e-6), name
+
+
+
+def _pp_by_fsdp2_grads():
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_microbatches=2)
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = accelerator.prepare(_llama(tied=False))
+    shard = int(accelerator.torch_device_mesh.get_local_rank("dp_shard"))
+    accelerator.backward(model(**_replica_half(_batches()[0], shard)).loss)
+    unwrapped = accelerator.unwrap_model(model)
+    return {name: p.grad.full_tensor().clone() for name, p in unwrapped.named_parameters() if p.grad is not None}
+
+
+def test_pp2_by_fsdp2_of_a_transformers_model_equals_data_parallel():
+    """The stage of a model cut by its plan is sharded over dp_shard like any other stage: its gradients are
+    the average of the two halves' losses, as data parallelism gives."""
+    model = _llama(tied=False)
+    (sum(model(**_replica_half(_batches()[0], half)).loss for half in range(2)) / 2).backward()
+    want = dict(model.named_parameters())
+    results = run_on_ranks(_pp_by_fsdp2_grads, world_size=4)
+    for grads in results:
+        for name, grad in grads.items():
+            assert torch.allclose(grad, want[name].grad, rtol=0, atol=1e-6), name
+    assert set().union(*results) == set(want)
+
+
+def _prepare_tied_under_fsdp2() -> str:
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_microbatches=2)
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    try:
+        accelerator.prepare(_llama(tied=True))
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return f"{type(error).__name__}: {error}"
+    return "prepared"
+
+
+def test_tied_embeddings_under_pp_by_fsdp2_are_refused_at_prepare_with_the_fix():
+    for message in run_on_ranks(_prepare_tied_under_fsdp2, world_size=4):
+        assert message.startswith("ConfigurationError") and "tie_word_embeddings=False" in message

@@ -304,6 +304,13 @@ class PipelineStrategy(Strategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in kept]
+        if hf_stage is not None and tied and shards_stages(self.config):
+            # The tie is kept by summing two stages' full gradients after the schedule; FSDP2/TP have
+            # reduce-scattered them into shards by then, which that sum does not handle yet.
+            raise ConfigurationError(
+                f"{type(models[0]).__name__} ties its input and output embeddings across pipeline stages, which "
+                f"pp_size={stages} with dp_shard_size/tp_size does not support yet: build the model with "
+                "tie_word_embeddings=False, or use dp_replicate_size for the data-parallel dimension.")
         if shards_stages(self.config):  # PP x FSDP2: the stage sharded over its dp_shard sub-mesh, in place
             model = shard_stage(model, self.config, self.device_mesh, optimizers)
             if hf_stage is None:
