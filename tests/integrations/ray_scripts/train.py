@@ -4,7 +4,9 @@
 ``out`` (a folder for the weights and the sample log), and for the Ray runs that checkpoint through
 ``hasten.integrations.ray``: ``report_every`` (save and report every N optimizer steps), ``kill_at`` (the last
 worker kills itself with SIGKILL after that step, once: a marker file records it), ``resume_from`` (the
-checkpoint to start from when Ray has none for the run), ``fsdp`` (write each worker's share of the first
+checkpoint to start from when Ray has none for the run), ``preempt_at`` and ``leaving_node`` (after that step
+the driver drains that Ray node: every worker saves on Ray's preemption notice, then the worker there waits until
+the driver removes the node), ``fsdp`` (write each worker's share of the first
 layer's weight). Every worker logs, per optimizer step, the ids of the samples it
 trained on, tagged with the attempt (rank 0's clock when the attempt started) and the number of workers.
 """
@@ -34,6 +36,37 @@ class Progress:
 
     def load_state_dict(self, state):
         self.step = state["step"]
+
+
+def _on_node(node_id):
+    import ray
+
+    return ray.get_runtime_context().get_node_id() == node_id
+
+
+def _save_on_the_preemption_notice(accelerator, hasten_ray, step, config):
+    """Here the driver drains the node named ``leaving_node``: every worker waits for Ray's preemption notice and
+    saves at this step (once), then the worker on that node waits to be ended with it."""
+    out = config["out"]
+    leaving = _on_node(config["leaving_node"])
+    if leaving:
+        open(os.path.join(out, "drain"), "w").close()
+    folder = os.path.join(out, "checkpoints", f"step_{step}")
+    deadline = time.monotonic() + 120
+    # Each call is one exchange between the workers (they agree on the answer); in a real loop it is made at
+    # every step or every few, and training goes on meanwhile. Here the steps take no time, so wait for it.
+    while hasten_ray.save_if_preempted(accelerator, {"step": step}, folder) is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError("no preemption notice within 120 s")
+        time.sleep(0.1)
+    if leaving:
+        import ray.train
+
+        ray.train.get_all_reported_checkpoints(ray.train.CheckpointConsistencyMode.COMMITTED)
+        open(os.path.join(out, "saved"), "w").close()
+        while time.monotonic() < deadline:  # the node's removal ends this process
+            time.sleep(0.1)
+        raise RuntimeError("the node was not removed within 120 s")
 
 
 def train(config):
@@ -75,6 +108,8 @@ def train(config):
             if every and progress.step % every == 0:
                 folder = os.path.join(config["out"], "checkpoints", f"step_{progress.step}")
                 hasten_ray.report(accelerator, {"step": progress.step, "loss": loss.item()}, folder)
+            if config.get("preempt_at") == progress.step:
+                _save_on_the_preemption_notice(accelerator, hasten_ray, progress.step, config)
             marker = os.path.join(config["out"], "killed")
             if config.get("kill_at") == progress.step and rank == world - 1 and not os.path.exists(marker):
                 open(marker, "w").close()
