@@ -25,7 +25,7 @@ from typing import Any
 
 from hasten.exceptions import ConfigurationError, MissingDependencyError
 
-#: Steps at which :func:`save_if_preempted` already saved for the notice it answered (one save per notice).
+#: The preemption notice :func:`save_if_preempted` last saved for (its preempted nodes): one save per notice.
 _ANSWERED: dict[str, Any] = {"notice": None}
 
 
@@ -125,7 +125,7 @@ def save_if_preempted(accelerator: Any, metrics: Mapping[str, Any], output_dir: 
                       **save_state_kwargs: Any) -> Path | None:
     """Save and report a checkpoint once when Ray Train announces that a node of this run will be preempted.
 
-    Ray (2.5x and later) watches for nodes being drained (a spot instance reclaimed, ``ray drain-node``) and
+    Ray Train (2.60 has it) watches for nodes being drained (a spot instance reclaimed, ``ray drain-node``) and
     tells every worker through ``ray.train.get_preemption_info()``, which agrees on one answer across the
     workers: so every worker saves at the same step. Call this on every worker at the same point of each
     step (after ``optimizer.step()``); the first call that sees a notice saves through :func:`report`, later
@@ -138,13 +138,19 @@ def save_if_preempted(accelerator: Any, metrics: Mapping[str, Any], output_dir: 
 
     Raises:
         ConfigurationError: this Ray has no preemption notices (``ray.train.get_preemption_info``).
+
+    Example:
+        >>> optimizer.step()
+        >>> if step % 10 == 0:
+        ...     save_if_preempted(accelerator, {"step": step}, f"checkpoints/step_{step}")
     """
     train = _train_module()
     _checked_session(train, "save_if_preempted")
     notice_of = getattr(train, "get_preemption_info", None)
     if notice_of is None:
         raise ConfigurationError(
-            "this Ray has no ray.train.get_preemption_info (Ray Train's preemption notices, Ray 2.5x and later). HINT: upgrade ray[train], or save with hasten.integrations.ray.report() at your own interval.")
+            "this Ray has no ray.train.get_preemption_info (Ray Train's preemption notices; Ray 2.60 has them). "
+            "HINT: upgrade ray[train], or save with hasten.integrations.ray.report() at your own interval.")
     notice = notice_of()
     if notice is None:
         return None
