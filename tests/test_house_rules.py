@@ -26,7 +26,7 @@ LAYERS = [
      "hasten.accelerator_state_files", "hasten.fault_tolerance"],
     ["hasten.accelerator", "hasten.launchers", "hasten.big_modeling", "hasten.local_sgd", "hasten.data_loader",
      "hasten.hooks", "hasten.inference", "hasten.memory_plan"],
-    ["hasten.commands", "hasten.testing", "hasten.test_utils", "hasten.memory_utils"],
+    ["hasten.commands", "hasten.testing", "hasten.test_utils", "hasten.memory_utils", "hasten.integrations"],
     # Accelerate's `accelerate.utils` namespace: aliases of the ground floor's modules (hasten.base) and
     # Accelerate-only paths. Nothing inside hasten imports it (the facade rule below resolves its names).
     ["hasten.utils"],
