@@ -5,7 +5,7 @@ a :class:`SnapshotSink` instead of the synchronous save's sealed sink
 (:mod:`hasten.checkpointing.sinks`): no file is written; its state is **staged** instead, on the
 calling thread: its tensors copied into host
 staging buffers that are allocated once and reused from save to save
-(:mod:`hasten.checkpointing.staging`), the small rest deep-copied. So the snapshot is consistent with
+(:mod:`hasten.checkpointing.buffers`), the small rest deep-copied. So the snapshot is consistent with
 the training state at the call, and the loop waits only for memory copies. Training then goes on while
 a background thread (one per process):
 
@@ -59,7 +59,7 @@ from hasten.checkpointing.publication import (
     raise_failure,
 )
 from hasten.checkpointing.sinks import CollectiveWriter, SealedSink, Writer
-from hasten.checkpointing.staging import StagingBuffers
+from hasten.checkpointing.buffers import StagingBuffers
 from hasten.exceptions import CheckpointError
 
 _WRITTEN = object()  # a file already written on the calling thread: only sealed in the background

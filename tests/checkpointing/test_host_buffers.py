@@ -1,4 +1,4 @@
-"""The staging buffers of asynchronous saves (``hasten.checkpointing.staging``, issue 24 item 2).
+"""The host buffers of asynchronous saves (``hasten.checkpointing.buffers``, issue 24 item 2).
 
 Ground truths: ``torch.save`` of the original state (the staged copy must serialise to the same
 bytes), the original's values at staging time (training changes them in place afterwards), and the
@@ -12,7 +12,7 @@ import io
 import numpy as np
 import torch
 
-from hasten.checkpointing.staging import StagingBuffers
+from hasten.checkpointing.buffers import StagingBuffers
 
 
 def _bytes(obj) -> bytes:
@@ -128,9 +128,9 @@ def test_a_location_tag_applies_only_on_the_thread_writing_the_snapshot_while_it
     # storage stands in for the buffer: the tagger only looks at the address.
     import threading
 
-    from hasten.checkpointing import staging
+    from hasten.checkpointing import buffers as buffers_module
 
-    staging._register_tagger()
+    buffers_module._register_tagger()
     buffers = StagingBuffers()
     tensor = torch.arange(4.0)
     buffers._locations[tensor.untyped_storage().data_ptr()] = "cuda:0"
