@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from hasten.checkpointing import at_exit
+from hasten.checkpointing.buffers import StagingBuffers
 from hasten.checkpointing.naming import run_stage_hooks
 from hasten.checkpointing.publication import (
     Publication,
@@ -59,7 +60,6 @@ from hasten.checkpointing.publication import (
     raise_failure,
 )
 from hasten.checkpointing.sinks import CollectiveWriter, SealedSink, Writer
-from hasten.checkpointing.buffers import StagingBuffers
 from hasten.exceptions import CheckpointError
 
 _WRITTEN = object()  # a file already written on the calling thread: only sealed in the background
