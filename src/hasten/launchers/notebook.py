@@ -61,7 +61,7 @@ def _refuse_unsafe_fork() -> None:
 
 
 def _end_process_group() -> None:
-    from hasten.environments.process_group import end_group
+    from hasten.runtime.process_group import end_group
 
     end_group(barrier=True)  # gloo may abort a rank whose peer tears down first
 
@@ -241,7 +241,7 @@ def launch_failure(message: str, name: str, failures: dict[int, Any] | None = No
 def _debug_rank(rank: int, function: Callable[..., Any], args: tuple[Any, ...], world: int, folder: str) -> None:
     import torch.distributed as dist
 
-    from hasten.environments.process_group import start_group
+    from hasten.runtime.process_group import start_group
     from hasten.state import reset_state
 
     reset_state()  # the rank must not reuse the parent's view of the run

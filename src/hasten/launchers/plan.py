@@ -26,7 +26,7 @@ from hasten.launchers.affinity import check_affinity_supported
 DEFAULT_PORT = 29500
 #: Worker group restarts allowed by default with ``--num_machines MIN:MAX`` (each machine lost uses one).
 ELASTIC_RESTARTS = 3
-#: A worker's exit status when hasten's hang watchdog stopped it (``hasten.environments.watchdog.HANG_EXIT_CODE``;
+#: A worker's exit status when hasten's hang watchdog stopped it (``hasten.runtime.watchdog.HANG_EXIT_CODE``;
 #: repeated here so that planning a launch does not import torch).
 HANG_EXIT_CODE = 124
 # Engines whose hasten support is detected by the presence of their module (no import needed).

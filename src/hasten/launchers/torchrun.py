@@ -3,7 +3,7 @@
 The agent starts ``nproc_per_node`` workers, gives them torchrun's variables (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ...), stops the others as soon as one fails, restarts the group up to
 ``max_restarts`` times, and stops every worker on SIGINT/SIGTERM. Workers that stopped for preemption
-(see :mod:`hasten.environments.preemption`) exit 0 and leave a marker file, so the agent neither restarts
+(see :mod:`hasten.runtime.preemption`) exit 0 and leave a marker file, so the agent neither restarts
 them nor counts a failure; the launcher then exits with ``PREEMPTED_EXIT_CODE`` (75).
 """
 
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from hasten.base.environment import patch_environment
 from hasten.config.env import PREEMPTION_DIR_VAR
-from hasten.environments.preemption import PREEMPTED_EXIT_CODE, signal_number
 from hasten.exceptions import LaunchError
 from hasten.launchers.plan import HANG_EXIT_CODE, WORKER_MODULE, LaunchOptions, LaunchPlan
+from hasten.runtime.preemption import PREEMPTED_EXIT_CODE, signal_number
 
 if TYPE_CHECKING:
     from hasten.launchers.netwatch import ElasticWatch
