@@ -71,7 +71,7 @@ def _rank_main(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)  # the agent logs the entry point's name and qualname
     def run(*args: Any) -> Any:
         install_unless_real_accelerate()  # libraries the function imports (transformers...) find hasten
-        from hasten.launchers.network import bind_worker_store
+        from hasten.launchers.machines.store import bind_worker_store
 
         store = bind_worker_store(os.environ)  # noqa: F841 - c10d on one machine: rank 0 hosts on loopback
         result = function(*args)
@@ -186,7 +186,7 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
     env = {**launch_config_to_env(config), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), **(local or {})}
     with _added_environment(env), contextlib.ExitStack() as stack:
         if local:
-            from hasten.launchers.network import store_server
+            from hasten.launchers.machines.store import store_server
 
             stack.enter_context(store_server(local["MASTER_ADDR"], port))
         try:
@@ -202,7 +202,7 @@ def _local_listening(master_addr: str, rdzv_backend: str) -> dict[str, str]:
     gets its interface, and with c10d the workers' store is hosted by rank 0 on that address
     (:func:`_rank_main`) instead of the agent's extra store server on every interface.
     """
-    from hasten.launchers.network import bind_address, interface_of
+    from hasten.launchers.machines.store import bind_address, interface_of
 
     address = bind_address(master_addr, 1)
     env = {"MASTER_ADDR": address}
