@@ -202,7 +202,7 @@ def _local_listening(master_addr: str, rdzv_backend: str) -> dict[str, str]:
     gets its interface, and with c10d the workers' store is hosted by rank 0 on that address
     (:func:`_rank_main`) instead of the agent's extra store server on every interface.
     """
-    from hasten.launchers.machines.store import bind_address, interface_of
+    from hasten.environments.network import bind_address, interface_of
 
     address = bind_address(master_addr, 1)
     env = {"MASTER_ADDR": address}

@@ -108,7 +108,8 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
     )
     from torch.distributed.run import get_args_parser, run
 
-    from hasten.launchers.machines.store import bind_address, interface_of, store_server
+    from hasten.environments.network import bind_address, interface_of
+    from hasten.launchers.machines.store import store_server
 
     try:
         plan.bind_addr = plan.bind_addr or bind_address(plan.master_addr, plan.nnodes)

@@ -41,7 +41,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
 from hasten.environments.network import (
@@ -54,6 +53,7 @@ from hasten.environments.network import (
 )
 from hasten.exceptions import LaunchError
 from hasten.launchers.machines.reports import Inbox, Report, ask_host, host_identity, is_present, send_report
+from hasten.launchers.machines.store import store_client
 
 __all__ = ["NetworkCheckFailed", "PeerInfo", "check_network", "collective_address", "rendezvous_timeout"]
 
@@ -356,11 +356,8 @@ def _probe_all(me: PeerInfo, peers: list[PeerInfo]) -> list[str]:
 
 
 def _store_client(master_addr: str, port: int, rank: int) -> Any:
-    from torch.distributed import TCPStore
-
     try:
-        return TCPStore(master_addr, port, is_master=False, wait_for_workers=False,
-                        timeout=timedelta(seconds=RESULT_WAIT))
+        return store_client(master_addr, port, RESULT_WAIT)
     except (RuntimeError, OSError) as exc:  # DistNetworkError/DistStoreError are RuntimeErrors
         raise NetworkCheckFailed(f"{_me(rank)} reaches {master_addr}:{port} but cannot use torch's rendezvous store "
                                  f"there ({type(exc).__name__}: {exc}). HINT: check that --main_process_port is the "

@@ -29,13 +29,12 @@ import contextlib
 import sys
 import threading
 import time
-from datetime import timedelta
 from types import TracebackType
-from typing import Any
 
 from hasten.launchers.machines import membership
 from hasten.launchers.machines.check import reported_problem
 from hasten.launchers.machines.reports import Inbox, Report
+from hasten.launchers.machines.store import store_client
 
 __all__ = ["ElasticWatch", "recorded_problem", "timeout_problem"]
 
@@ -45,12 +44,6 @@ _JOINED = "hasten/network_check/elastic_joined"  # machines other than 0 that pa
 #: Seconds machine 0 keeps its store after closing the rendezvous, for the other machines to read the line.
 LINGER = 5.0
 _WAIT = 0.2  # how long the thread waits for a datagram before it looks at its stop flag
-
-
-def _client(master_addr: str, port: int, timeout: float) -> Any:
-    from torch.distributed import TCPStore
-
-    return TCPStore(master_addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 
 
 class ElasticWatch:
@@ -108,7 +101,7 @@ class ElasticWatch:
     def _abort(self, line: str) -> None:
         """Record ``line`` in machine 0's store, then close the rendezvous: every agent stops."""
         with contextlib.suppress(RuntimeError, OSError):  # no store: the others stop with torch's message
-            store = _client(self.master_addr, self.port, 5.0)
+            store = store_client(self.master_addr, self.port, 5.0)
             store.set(_ABORT, line)
             self.others = int(store.add(_JOINED, 0))
         membership.close_rendezvous()
@@ -116,7 +109,7 @@ class ElasticWatch:
     def linger(self) -> None:
         """After ``fatal``: keep machine 0's store until the machines that joined read the line (LINGER at most)."""
         with contextlib.suppress(RuntimeError, OSError):
-            store = _client(self.master_addr, self.port, 5.0)
+            store = store_client(self.master_addr, self.port, 5.0)
             deadline = time.monotonic() + LINGER
             while int(store.add(_STOPPED, 0)) < self.others and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -129,13 +122,13 @@ class ElasticWatch:
 def joined(master_addr: str, port: int) -> None:
     """A machine other than 0 passed its check under MIN:MAX: count it, so that machine 0 lingers for it."""
     with contextlib.suppress(RuntimeError, OSError):
-        _client(master_addr, port, 5.0).add(_JOINED, 1)
+        store_client(master_addr, port, 5.0).add(_JOINED, 1)
 
 
 def recorded_problem(master_addr: str, port: int) -> str | None:
     """The line machine 0 recorded when it closed the rendezvous (see the module), or None."""
     with contextlib.suppress(RuntimeError, OSError):
-        store = _client(master_addr, port, 3.0)
+        store = store_client(master_addr, port, 3.0)
         if store.check([_ABORT]):
             line = store.get(_ABORT).decode()
             store.add(_STOPPED, 1)
