@@ -108,7 +108,7 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
     )
     from torch.distributed.run import get_args_parser, run
 
-    from hasten.environments.network import bind_address, interface_of
+    from hasten.environments.network import bind_address
     from hasten.launchers.machines.store import store_server
 
     try:
@@ -121,17 +121,10 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
         from hasten.launchers.machines.membership import use_membership_backend
 
         args.rdzv_backend = use_membership_backend(f"{socket.gethostname()} ({plan.bind_addr})", plan.nproc_per_node)
-    agent_env = dict(plan.env)
-    if plan.rdzv_backend == "c10d":
-        # Not the agent's shared store (torch binds it on every interface, on a port hasten cannot choose):
-        # worker rank 0 hosts the process group's store, bound by hasten's worker bootstrap. It also
-        # gives each restarted round a fresh store, without the dead round's keys (a dead peer's address).
-        agent_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    interface = interface_of(plan.bind_addr)
-    if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-        agent_env["GLOO_SOCKET_IFNAME"] = interface  # gloo listens where the store does, not on every interface
+    agent_env = dict(plan.env)  # the plan holds every variable the workers get (listening, preemption markers)
     hosts_store = plan.node_rank == 0 if plan.rdzv_backend == "static" else (plan.nnodes == 1 or plan.node_rank == 0)
-    markers = tempfile.mkdtemp(prefix="hasten-preempt-")  # workers stopped by preemption leave a file here
+    markers = agent_env.get(PREEMPTION_DIR_VAR) or tempfile.mkdtemp(prefix="hasten-preempt-")
+    os.makedirs(markers, mode=0o700, exist_ok=True)  # workers stopped by preemption leave a file here
     agent_env[PREEMPTION_DIR_VAR] = markers
     started = time.time()
     watch: ElasticWatch | None = None  # machine 0 of a MIN:MAX launch: the others' UDP reports
