@@ -85,7 +85,7 @@ class PeerInfo:
     address: str
     port: int
     interface: str
-    host_id: str = ""  # boot id and network namespace (netsignals.host_identity)
+    host_id: str = ""  # boot id and network namespace (reports.host_identity)
 
     def __str__(self) -> str:
         return f"machine {self.rank} ({self.host})"
