@@ -21,11 +21,12 @@ from hasten.exceptions import LaunchError
 __all__ = ["bind_worker_store", "listening_store", "store_client", "store_server"]
 
 
-def listening_store(address: str, port: int, timeout: timedelta | None = None) -> Any:
+def listening_store(address: str, port: int, timeout: timedelta = timedelta(seconds=300)) -> Any:
     """The one way hasten hosts a ``TCPStore``: a multi-tenant server on a socket bound to ``address:port``.
 
     torch's own rendezvous and ``init_process_group`` then ask for a multi-tenant store on that port and
-    reuse this one instead of listening on every interface.
+    reuse this one instead of listening on every interface. ``timeout`` bounds the store's waits (torch's
+    default, 300 s, unless given).
 
     Raises:
         OSError: the port cannot be bound on that address (the socket is closed again).
@@ -37,9 +38,8 @@ def listening_store(address: str, port: int, timeout: timedelta | None = None) -
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((address, port))
         listener.listen(1024)
-        extra = {} if timeout is None else {"timeout": timeout}
         store = TCPStore(address, port, is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
-                         wait_for_workers=False, **extra)
+                         wait_for_workers=False, timeout=timeout)
     except BaseException:
         listener.close()
         raise
