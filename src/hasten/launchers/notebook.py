@@ -94,7 +94,7 @@ def _launch_plan(config: LaunchConfig, nproc_per_node: int, num_nodes: int, node
     bind_addr = ""
     if num_nodes == 1 and not rdzv_endpoint:  # one machine: every listener on loopback, as `hasten launch`
         bind_addr, listening = listening_variables(master_addr, 1, rdzv_backend, os.environ)
-        variables.update(listening, MASTER_ADDR=bind_addr or master_addr)
+        variables.update(listening, MASTER_ADDR=bind_addr)
     return LaunchPlan(launcher="torchrun", config=config, command=[], env=variables, nproc_per_node=nproc_per_node,
                       nnodes=num_nodes, node_rank=node_rank, master_addr=master_addr, master_port=port,
                       rdzv_backend=rdzv_backend, notes=notes, bind_addr=bind_addr, max_restarts=max_restarts)

@@ -283,15 +283,12 @@ def listening_variables(master_addr: str, nnodes: int, rdzv_backend: str,
                         env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
     """The local address this machine's launcher and workers listen on, and the variables that keep them there.
 
-    Returns ``("", {})`` when ``master_addr`` cannot be resolved or reached: the launch reports that when it
-    starts (:func:`hasten.environments.network.bind_address` raises there again).
+    Raises:
+        LaunchError: ``master_addr`` cannot be resolved or reached from this machine.
     """
     from hasten.environments.network import bind_address, interface_of
 
-    try:
-        address = bind_address(master_addr, nnodes)
-    except LaunchError:
-        return "", {}
+    address = bind_address(master_addr, nnodes)
     variables = {}
     interface = interface_of(address)
     if interface and "GLOO_SOCKET_IFNAME" not in env:
@@ -413,7 +410,10 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
                       mesh=parallelism.describe() if parallelism is not None else None,
                       min_nnodes=config.min_machines, max_restarts=restarts)
     if launcher == "torchrun":  # decided here, not in the agent, so that --dry_run shows them
-        plan.bind_addr, listening = listening_variables(addr, config.num_machines, backend, env)
+        try:
+            plan.bind_addr, listening = listening_variables(addr, config.num_machines, backend, env)
+        except LaunchError:  # reported when the launch starts (it binds the address again), not by --dry_run
+            listening = {}
         plan.env.update(listening)
         plan.env[PREEMPTION_DIR_VAR] = preemption_folder()
     if launcher == "slurm-task":
