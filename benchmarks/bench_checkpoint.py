@@ -86,9 +86,9 @@ def main() -> None:
         setattr(sinks.SealedSink, name, timed_method)
 
     manifest.write_manifest = write_manifest_timed  # type: ignore[assignment]
-    import hasten.checkpointing.naming as naming
+    import hasten.checkpointing.publication as publication
 
-    naming.write_manifest = write_manifest_timed  # type: ignore[assignment]
+    publication.write_manifest = write_manifest_timed  # type: ignore[assignment]
 
     rows: list[tuple[str, float]] = []
     took, _ = timed(lambda: accelerator.save_state(root / "hasten"))

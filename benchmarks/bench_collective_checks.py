@@ -49,7 +49,7 @@ def _plain_reduce(t: torch.Tensor) -> torch.Tensor:
 
 def _body(calls: int, rounds: int) -> dict[str, dict[str, float]]:
     from hasten import PartialState
-    from hasten.environments.watchdog import TRACKER
+    from hasten.runtime.watchdog import TRACKER
     from hasten.utils import gather, reduce
 
     PartialState()  # as in a real run: the hang watchdog runs and every collective is tracked

@@ -266,7 +266,7 @@ def _rerun_under_callgrind(world: int, keep: str | None) -> list[Any]:
 
 def _callgrind_rank(world: int, steps: int, opts: dict[str, Any]) -> None:
     """One rank under callgrind: join the others, count, write the counts next to callgrind's files."""
-    from hasten.environments.process_group import end_group, start_group
+    from hasten.runtime.process_group import end_group, start_group
 
     rank, out = int(os.environ["RANK"]), os.environ["HASTEN_PROFILE_CALLGRIND"]
     store = torch.distributed.FileStore(f"{out}.store", world)

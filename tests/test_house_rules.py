@@ -17,7 +17,7 @@ LAYERS = [
     ["hasten.exceptions", "hasten._lazy", "hasten._accelerate_alias", "hasten._accelerate_paths", "hasten._private_api",
      "hasten._accelerate_shown", "hasten.base"],
     ["hasten.config", "hasten.parallelism_config"],
-    ["hasten.precision", "hasten.environments", "hasten.devices", "hasten.ops"],
+    ["hasten.precision", "hasten.environments", "hasten.runtime", "hasten.devices", "hasten.ops"],
     ["hasten.checkpointing"],
     ["hasten.strategies"],
     ["hasten.connector"],
@@ -56,7 +56,8 @@ ACCELERATE_PATH_FACES = {
 }
 ENV_ALLOWED = ("config/env.py", "environments/", "base/environment.py", "launchers/", "commands/", "testing/",
                "test_utils/",
-               "strategies/deepspeed.py", "base/deepspeed_runtime.py")
+               "strategies/deepspeed.py", "base/deepspeed_runtime.py",
+               "runtime/process_group.py", "runtime/preemption.py")  # rendezvous variables; SLURM's requeue
 
 
 def _module_name(path: Path) -> str:
@@ -319,10 +320,12 @@ def _module_state(code: str) -> list[str]:
     return found
 
 
-def test_ops_holds_no_module_state_and_starts_no_thread():
-    """``ops/`` is stateless: what hangs on the process group (the watchdog, debug checks) lives in
-    ``environments/`` beside ``process_group.py``, which owns the group's lifetime."""
-    problems = {str(path.relative_to(SRC)): found for path in sorted((SRC / "ops").rglob("*.py"))
+@pytest.mark.parametrize("package", ["ops", "environments"])
+def test_package_holds_no_module_state_and_starts_no_thread(package):
+    """``ops/`` and ``environments/`` are stateless (collectives; detection from an env mapping): what
+    hangs on the process group (the watchdog, debug checks, preemption) lives in ``runtime/`` beside
+    ``process_group.py``, which owns the group's lifetime."""
+    problems = {str(path.relative_to(SRC)): found for path in sorted((SRC / package).rglob("*.py"))
                 if (found := _module_state(path.read_text()))}
     assert problems == {}
 

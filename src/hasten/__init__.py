@@ -51,7 +51,7 @@ _EXPORTS = {
     "MemoryPlan": "hasten.memory_plan",
     "install_as_accelerate": "hasten._accelerate_alias",
     "uninstall_as_accelerate": "hasten._accelerate_alias",
-    "PREEMPTED_EXIT_CODE": "hasten.environments.preemption",
+    "PREEMPTED_EXIT_CODE": "hasten.runtime.preemption",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names resolve on first use
@@ -92,7 +92,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
         prepare_data_loader as prepare_data_loader,
         skip_first_batches as skip_first_batches,
     )
-    from hasten.environments.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from hasten.inference import prepare_pippy as prepare_pippy
     from hasten.launchers.notebook import (
         debug_launcher as debug_launcher,
@@ -101,6 +100,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time the names reso
     from hasten.memory_plan import MemoryPlan as MemoryPlan, plan_memory as plan_memory
     from hasten.ops.random import synchronize_rng_states as synchronize_rng_states
     from hasten.parallelism_config import ParallelismConfig as ParallelismConfig
+    from hasten.runtime.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from hasten.state import (
         AcceleratorState as AcceleratorState,
         GradientState as GradientState,

@@ -22,9 +22,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hasten.base.dataclasses import DistributedType
-from hasten.environments.preemption import PREEMPTION as _PREEMPTION
 from hasten.logging import get_logger
 from hasten.precision import FP16Precision, Precision
+from hasten.runtime.preemption import PREEMPTION as _PREEMPTION
 from hasten.state import AcceleratorState, GradientState
 from hasten.strategies import SingleDeviceStrategy, Strategy
 
@@ -178,7 +178,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                 return loss
 
             self._is_overflow = not self._step(self.optimizer, recording_closure)
-        # Preemption (see hasten.environments.preemption): one increment and one flag read per step.
+        # Preemption (see hasten.runtime.preemption): one increment and one flag read per step.
         _PREEMPTION.steps += 1
         if _PREEMPTION.pending:
             _PREEMPTION.after_step()

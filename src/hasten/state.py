@@ -3,7 +3,7 @@
 Like Accelerate, each class is a "Borg": all instances share one dictionary, so a second
 ``PartialState()`` sees the state the first one set up. Tests (and notebooks that want a fresh start)
 call :func:`reset_state`. With peers (torchrun, MPI, SLURM, ...) ``PartialState`` starts the process
-group through :mod:`hasten.environments.process_group`, which owns its lifetime.
+group through :mod:`hasten.runtime.process_group`, which owns its lifetime.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from hasten.environments import (
     ProcessInfo,
     current_process_info,
     export_torch_env,
-    process_group,
 )
-from hasten.environments.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.ops.collectives import barrier
+from hasten.runtime import process_group
+from hasten.runtime.watchdog import DEFAULT_BOUND, process_group_timeout
 
 #: How long a rank may wait in one collective before the watchdog reports every rank and stops the run.
 DEFAULT_TIMEOUT = DEFAULT_BOUND

@@ -229,7 +229,7 @@ def test_end_training_says_it_waits_for_the_save_in_flight(tmp_path, monkeypatch
 
 
 def _end_group_with_a_save_in_flight(root: str) -> bool:
-    from hasten.environments.process_group import end_group
+    from hasten.runtime.process_group import end_group
 
     watch = _StderrWatch(sys.stderr, "before the process group ends")
     sys.stderr = watch

@@ -102,10 +102,10 @@ SAVE_AND_DIE = textwrap.dedent("""
     import sys, torch
     from torch import nn
     from hasten import Accelerator, ProjectConfiguration
-    from hasten.checkpointing import SAVE_STAGE_HOOKS, naming
+    from hasten.checkpointing import SAVE_STAGE_HOOKS, publication
     root, mode, stage = sys.argv[1], sys.argv[2], sys.argv[3]
     if mode == "fallback":                          # a system without an atomic exchange
-        naming._exchange = lambda first, second: False
+        publication._exchange = lambda first, second: False
     auto = mode == "auto"
     config = ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=auto, total_limit=1 if auto else None)
     accelerator = Accelerator(project_config=config)
@@ -404,10 +404,10 @@ def test_a_flipped_byte_inside_tensor_data_is_caught_and_named(tmp_path):
 
 # --------------------------------------------------------------------------- 6. durable writes
 def test_files_and_folders_are_fsynced_before_the_rename_that_publishes(tmp_path, monkeypatch):
-    from hasten.checkpointing import naming
+    from hasten.checkpointing import publication
 
     events = []
-    real_fsync, real_replace, real_exchange = os.fsync, os.replace, naming._exchange
+    real_fsync, real_replace, real_exchange = os.fsync, os.replace, publication._exchange
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -423,7 +423,7 @@ def test_files_and_folders_are_fsynced_before_the_rename_that_publishes(tmp_path
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(naming, "_exchange", exchange)
+    monkeypatch.setattr(publication, "_exchange", exchange)
     accelerator, *_ = prepared_model_optimizer_scheduler()
     for _ in range(2):  # a new folder, then a replacement (exchange)
         events.clear()

@@ -15,7 +15,7 @@ from torch import nn
 from hasten.base.dataclasses import DistributedType
 from hasten.checkpointing import SAVE_STAGE_HOOKS, files, write_model_files
 from hasten.checkpointing.manager import CheckpointManager, Ranks, TrainingObjects
-from hasten.checkpointing.naming import staging_folder
+from hasten.checkpointing.publication import staging_folder
 from hasten.precision import Precision
 from hasten.strategies.base import Strategy
 

@@ -313,7 +313,7 @@ def test_min_max_machines_in_a_configuration_file(tmp_path):
 
 
 def test_membership_lines():
-    from hasten.launchers.elastic import describe_change
+    from hasten.launchers.machines.membership import describe_change
 
     first = describe_change(None, {"a (10.0.0.1)": 2, "b (10.0.0.2)": 2})
     assert first == "2 machines, world size 4: a (10.0.0.1), b (10.0.0.2)"

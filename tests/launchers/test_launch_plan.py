@@ -53,7 +53,7 @@ def test_cpu_multi_process_uses_torchrun_with_one_config_variable(script):
     plan = _plan(LaunchConfig(use_cpu=True, num_processes=2, mixed_precision="bf16"), script,
                  script_args=["--x", "1"])
     assert plan.launcher == "torchrun" and plan.nproc_per_node == 2 and plan.nnodes == 1
-    assert [k for k in plan.env if k.startswith("HASTEN")] == ["HASTEN_LAUNCH_CONFIG"]
+    assert [k for k in plan.env if k.startswith("HASTEN")] == ["HASTEN_LAUNCH_CONFIG", "HASTEN_PREEMPTION_DIR"]
     sent = json.loads(plan.env["HASTEN_LAUNCH_CONFIG"])
     assert (sent["use_cpu"], sent["mixed_precision"], sent["distributed_type"]) == (True, "bf16", "MULTI_CPU")
     assert plan.command[-3:] == [script, "--x", "1"]

@@ -233,14 +233,14 @@ def test_under_min_max_machine_0_names_a_blocked_machine_and_stops_only_when_too
     """The decision of machine 0's watch (in-process): under 2:3 a first blocked machine is named and the launch
     goes on; a second leaves 1 < 2, so the watch records its line in the store and closes the rendezvous."""
     from hasten.environments import find_free_port
-    from hasten.launchers import elastic
-    from hasten.launchers.netsignals import Report
-    from hasten.launchers.netwatch import ElasticWatch, recorded_problem
-    from hasten.launchers.network import store_server
+    from hasten.launchers.machines import membership
+    from hasten.launchers.machines.reports import Report
+    from hasten.launchers.machines.store import store_server
+    from hasten.launchers.machines.watch import ElasticWatch, recorded_problem
 
     closed = []
-    monkeypatch.setattr(elastic, "close_rendezvous", lambda: closed.append(True))
-    monkeypatch.setattr(elastic, "rounds_met", lambda: 0)
+    monkeypatch.setattr(membership, "close_rendezvous", lambda: closed.append(True))
+    monkeypatch.setattr(membership, "rounds_met", lambda: 0)
     port = find_free_port()
     with store_server("127.0.0.1", port), ElasticWatch("127.0.0.1", "127.0.0.1", port, 2, 3) as watch:
         assert recorded_problem("127.0.0.1", port) is None
@@ -255,7 +255,7 @@ def test_under_min_max_machine_0_names_a_blocked_machine_and_stops_only_when_too
         assert closed == [True] and watch.fatal is not None and "but machine 2 (m2, 10.0.0.3) is refused" in watch.fatal
         assert "at most 1 machine(s) can join now, fewer than 2: every machine stops" in watch.fatal
         assert recorded_problem("127.0.0.1", port) == watch.fatal  # what the other machines print
-    monkeypatch.setattr(elastic, "rounds_met", lambda: 1)  # once the run started, a blocked machine is only named
+    monkeypatch.setattr(membership, "rounds_met", lambda: 1)  # once the run started, a blocked machine is only named
     with store_server("127.0.0.1", port), ElasticWatch("127.0.0.1", "127.0.0.1", port, 3, 3) as watch:
         watch.heard(first)
         assert watch.fatal is None and closed == [True]
@@ -263,7 +263,7 @@ def test_under_min_max_machine_0_names_a_blocked_machine_and_stops_only_when_too
 
 
 def test_a_rendezvous_timeout_names_the_likely_cause_where_no_report_arrived():
-    from hasten.launchers.netwatch import timeout_problem
+    from hasten.launchers.machines.watch import timeout_problem
 
     line = timeout_problem("10.0.0.1:29500", 29500, 2, 3, TimeoutError("join"))
     assert "fewer than 2 of up to 3 machines joined the rendezvous before its timeout" in line
@@ -286,7 +286,7 @@ def test_nccl_interface_selection_follows_nccl_rules():
 def test_an_nccl_interface_that_selects_nothing_is_a_problem():
     import psutil
 
-    from hasten.launchers.netcheck import collective_address
+    from hasten.launchers.machines.check import collective_address
 
     found = next(((n, a.address) for n, addrs in psutil.net_if_addrs().items() for a in addrs
                   if a.family == 2 and not a.address.startswith("127.")), None)
@@ -300,7 +300,7 @@ def test_an_nccl_interface_that_selects_nothing_is_a_problem():
 
 
 def test_the_check_waits_as_long_as_the_rendezvous():
-    from hasten.launchers.netcheck import rendezvous_timeout
+    from hasten.launchers.machines.check import rendezvous_timeout
 
     assert rendezvous_timeout("") == 600
     assert rendezvous_timeout("timeout=12") == 12
@@ -321,7 +321,7 @@ def test_check_network_on_one_machine_has_nothing_to_check_and_a_launch_needs_a_
 # LOOPBACK_WAIT is 0, so every wait below is past the window that used to end such a launch.
 
 def _loopback_check(port, rank, results, timeout=60):
-    from hasten.launchers.netcheck import NetworkCheckFailed, check_network
+    from hasten.launchers.machines.check import NetworkCheckFailed, check_network
 
     try:
         results[rank] = check_network("127.0.0.1", "127.0.0.1", port, rank, 2, {}, timeout)
@@ -330,7 +330,7 @@ def _loopback_check(port, rank, results, timeout=60):
 
 
 def _host_machine_0(port, results):
-    from hasten.launchers.network import store_server
+    from hasten.launchers.machines.store import store_server
 
     with store_server("127.0.0.1", port):
         _loopback_check(port, 0, results)
@@ -340,7 +340,7 @@ def _host_machine_0(port, results):
 def loopback_launch(monkeypatch):
     """(port, refused): a free port, and an event set once machine 1 was refused there (machine 0 is late)."""
     from hasten.environments import find_free_port
-    from hasten.launchers import netcheck
+    from hasten.launchers.machines import check as netcheck
 
     monkeypatch.setattr(netcheck, "LOOPBACK_WAIT", 0.0)
     refused, connect = threading.Event(), netcheck._connect
@@ -356,7 +356,7 @@ def loopback_launch(monkeypatch):
 
 
 def test_loopback_machines_on_one_computer_meet_however_late_machine_0_starts(loopback_launch):
-    from hasten.launchers.netsignals import host_identity, present
+    from hasten.launchers.machines.reports import host_identity, present
 
     port, refused = loopback_launch
     results = {}
@@ -373,7 +373,7 @@ def test_loopback_machines_on_one_computer_meet_however_late_machine_0_starts(lo
 
 
 def test_a_loopback_machine_whose_peer_runs_elsewhere_stops_at_once(loopback_launch):
-    from hasten.launchers.netsignals import present
+    from hasten.launchers.machines.reports import present
 
     port, _ = loopback_launch
     results = {}
@@ -391,8 +391,8 @@ def test_a_loopback_machine_whose_peer_runs_elsewhere_stops_at_once(loopback_lau
 
 
 def test_a_machine_reaching_the_loopback_port_from_another_computer_is_refused(loopback_launch, monkeypatch):
-    from hasten.launchers import netcheck
-    from hasten.launchers.netsignals import present
+    from hasten.launchers.machines import check as netcheck
+    from hasten.launchers.machines.reports import present
 
     port, refused = loopback_launch
     # Machine 1 reaches machine 0's loopback port as through a tunnel: another boot id / network namespace.
@@ -415,7 +415,7 @@ def test_a_multi_machine_launcher_marks_itself_present_for_the_whole_launch(monk
     from hasten.commands.launch import build_launch_parser, options_from_args, resolve_config
     from hasten.environments import find_free_port
     from hasten.launchers import torchrun
-    from hasten.launchers.netsignals import is_present
+    from hasten.launchers.machines.reports import is_present
     from hasten.launchers.plan import build_plan
 
     port = find_free_port()
@@ -434,7 +434,7 @@ def test_machine_0_answers_hellos_and_reads_only_reports_of_its_own_launch():
     import socket as sockets
 
     from hasten.environments import find_free_port
-    from hasten.launchers.netsignals import Inbox, Report, ask_host, send_report
+    from hasten.launchers.machines.reports import Inbox, Report, ask_host, send_report
 
     port = find_free_port()
     inbox = Inbox("127.0.0.1", port, 3)

@@ -110,7 +110,7 @@ def test_debug_mode_names_rank_that_skipped_a_collective(tmp_path):
 
 
 def test_debug_off_has_no_extra_collectives():
-    from hasten.environments.debug_checks import debug_checks_enabled
+    from hasten.runtime.debug_checks import debug_checks_enabled
 
     PartialState()
     assert not debug_checks_enabled()

@@ -8,7 +8,7 @@ import torch
 
 from hasten import ops
 from hasten.accelerator._base import AcceleratorBase
-from hasten.environments.preemption import PREEMPTION as _PREEMPTION
+from hasten.runtime.preemption import PREEMPTION as _PREEMPTION
 
 
 class CollectivesMixin(AcceleratorBase):

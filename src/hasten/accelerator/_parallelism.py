@@ -25,7 +25,8 @@ from hasten.accelerator._base import AcceleratorBase
 from hasten.base.dataclasses import DistributedType
 from hasten.config.parallelism import resolve_parallelism_config
 from hasten.devices import select_device
-from hasten.environments import current_process_info, process_group
+from hasten.environments import current_process_info
+from hasten.runtime import process_group
 
 #: The mesh dimensions along which ranks read different batches.
 _DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")

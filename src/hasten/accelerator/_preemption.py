@@ -1,7 +1,7 @@
 """Preemption on the Accelerator: arm the protocol at ``prepare``, answer ``preemption_requested``, save at the stop.
 
 The protocol itself (signal, watcher thread, common stop step) lives in
-:mod:`hasten.environments.preemption`; the process group's owner starts and stops it.
+:mod:`hasten.runtime.preemption`; the process group's owner starts and stops it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, TypeVar, cast
 
 from hasten.accelerator._base import AcceleratorBase
 from hasten.config import env as hasten_env
-from hasten.environments import process_group
-from hasten.environments.preemption import PREEMPTION
+from hasten.runtime import process_group
+from hasten.runtime.preemption import PREEMPTION
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 

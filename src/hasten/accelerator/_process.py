@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hasten.accelerator._base import AcceleratorBase
-from hasten.environments.preemption import PREEMPTION as _PREEMPTION
+from hasten.runtime.preemption import PREEMPTION as _PREEMPTION
 from hasten.state import AcceleratorState
 
 

@@ -45,10 +45,10 @@ from hasten.config import env as hasten_env
 from hasten.config.schema import LaunchConfig
 from hasten.connector import apply_config_file, build_parts, resolve_settings
 from hasten.environments import current_process_info
-from hasten.environments.watchdog import TRACKER
 from hasten.exceptions import ConfigurationError
 from hasten.precision import detach_autocast_forward
 from hasten.precision.fp8 import ao_recipe_from_launch
+from hasten.runtime.watchdog import TRACKER
 from hasten.state import AcceleratorState, GradientState
 from hasten.tracking import filter_trackers
 

@@ -62,7 +62,7 @@ _REGISTERED: dict[str, int | None] = {"pid": None}
 
 def track(saver: BackgroundSaver) -> None:
     """Finish ``saver``'s saves at every way out of this process (call it when a save starts)."""
-    from hasten.environments.process_group import add_before_end_hook
+    from hasten.runtime.process_group import add_before_end_hook
 
     pid = os.getpid()
     _SAVERS[saver] = pid

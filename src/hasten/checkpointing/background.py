@@ -4,8 +4,8 @@
 a :class:`SnapshotSink` instead of the synchronous save's sealed sink
 (:mod:`hasten.checkpointing.sinks`): no file is written; its state is **staged** instead, on the
 calling thread: its tensors copied into host
-staging buffers that are allocated once and reused from save to save
-(:mod:`hasten.checkpointing.staging`), the small rest deep-copied. So the snapshot is consistent with
+host buffers that are allocated once and reused from save to save
+(:mod:`hasten.checkpointing.buffers`), the small rest deep-copied. So the snapshot is consistent with
 the training state at the call, and the loop waits only for memory copies. Training then goes on while
 a background thread (one per process):
 
@@ -34,7 +34,7 @@ DeepSpeed writes itself are written on the calling thread as in a synchronous sa
 publication is in the background. So is a state that cannot be deep-copied (a rare object): it is
 written on the calling thread, then sealed in the background.
 
-Memory: one set of staging buffers per :class:`BackgroundSaver` (per Accelerator), the size of the
+Memory: one set of host buffers per :class:`BackgroundSaver` (per Accelerator), the size of the
 tensors this process writes (weights, optimizer state, accumulated gradients; for a sharded save its
 local shards), kept between saves and freed by ``end_training`` (:meth:`BackgroundSaver.release`).
 """
@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from hasten.checkpointing import at_exit
+from hasten.checkpointing.buffers import HostBuffers
 from hasten.checkpointing.naming import run_stage_hooks
 from hasten.checkpointing.publication import (
     Publication,
@@ -59,7 +60,6 @@ from hasten.checkpointing.publication import (
     raise_failure,
 )
 from hasten.checkpointing.sinks import CollectiveWriter, SealedSink, Writer
-from hasten.checkpointing.staging import StagingBuffers
 from hasten.exceptions import CheckpointError
 
 _WRITTEN = object()  # a file already written on the calling thread: only sealed in the background
@@ -73,9 +73,9 @@ class SnapshotSink:
     Stage into it only inside :meth:`capturing`.
     """
 
-    def __init__(self, folder: Path, buffers: StagingBuffers | None = None) -> None:
+    def __init__(self, folder: Path, buffers: HostBuffers | None = None) -> None:
         self.folder = folder
-        self.buffers = buffers if buffers is not None else StagingBuffers()
+        self.buffers = buffers if buffers is not None else HostBuffers()
         self.files: list[tuple[Path, Writer, Any]] = []
         self.collective: list[tuple[Path, CollectiveWriter, Any]] = []
 
@@ -206,12 +206,12 @@ def finish(snapshot: SnapshotSink, pub: Publication, coordinator: Coordinator) -
 class BackgroundSaver:
     """At most one asynchronous save in flight; its failure is kept for the next :meth:`wait`.
 
-    It owns the process's staging buffers (:attr:`buffers`, for each :class:`SnapshotSink`), reused by every save.
+    It owns the process's host buffers (:attr:`buffers`, for each :class:`SnapshotSink`), reused by every save.
     """
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
-        self.buffers = StagingBuffers()
+        self.buffers = HostBuffers()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.publication: Publication | None = None  # of the latest save (for the notice at exit)
@@ -254,7 +254,7 @@ class BackgroundSaver:
             raise CheckpointError(f"The background save failed: {type(error).__name__}: {error}") from error
 
     def release(self) -> None:
-        """Wait for the save in flight (raising its failure), then free the staging buffers."""
+        """Wait for the save in flight (raising its failure), then free the host buffers."""
         try:
             self.wait()
         finally:

@@ -43,23 +43,23 @@ from hasten.base.dataclasses import ProjectConfiguration
 from hasten.checkpointing import background, files as ckpt, restore_checks as checks
 from hasten.checkpointing.manifest import my_share, read_manifest, verify_files
 from hasten.checkpointing.naming import (
-    check_target,
     checkpoints_root,
-    is_incomplete,
     iteration_of,
     newest_checkpoint,
     next_iteration,
-    prepare_staging,
-    recover,
     run_stage_hooks,
-    staging_folder,
 )
 from hasten.checkpointing.publication import (
     Publication,
     agree_on_default_group,
     attempt,
+    check_target,
+    is_incomplete,
+    prepare_staging,
     publish_agreed,
     raise_failure,
+    recover,
+    staging_folder,
 )
 from hasten.checkpointing.rng import capture_rng_state, derive_rng_state, restore_rng_state
 from hasten.checkpointing.sinks import SealedSink, Sink

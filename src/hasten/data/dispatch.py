@@ -17,10 +17,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from hasten.data.loaders import DataLoaderStateMixin, ResumableMixin, _check_unsupported, batch_size_of
-from hasten.environments.preemption import PREEMPTION as _PREEMPTION
 from hasten.exceptions import ConfigurationError
 from hasten.ops import broadcast, broadcast_object_list, send_to_device
 from hasten.ops.tree import honor_type, slice_tensors
+from hasten.runtime.preemption import PREEMPTION as _PREEMPTION
 from hasten.state import GradientState, PartialState
 
 

@@ -25,10 +25,10 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from hasten.data.samplers import batches_after, offsets_samples
 from hasten.data.saved_state import check_saved_fields, length_of
-from hasten.environments.preemption import PREEMPTION as _PREEMPTION
 from hasten.exceptions import ConfigurationError
 from hasten.ops import send_to_device, synchronize_rng_states
 from hasten.ops.tree import find_batch_size
+from hasten.runtime.preemption import PREEMPTION as _PREEMPTION
 from hasten.state import GradientState
 
 _STATE_VERSION = 2  # 2: samples_yielded, num_processes, global_batch_size

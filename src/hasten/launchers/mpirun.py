@@ -22,9 +22,9 @@ def mpi_worker_store(env: Mapping[str, str]) -> Any:
     an address of another machine). Runs before the script, so ``RANK`` is not exported yet.
     """
     if "RANK" in env or "TORCHELASTIC_RUN_ID" in env:
-        return None  # torchrun's workers: hasten.launchers.network handles those
+        return None  # torchrun's workers: hasten.launchers.machines.store handles those
     from hasten.environments import detect_process_info
-    from hasten.launchers.network import bind_worker_store
+    from hasten.launchers.machines.store import bind_worker_store
 
     environment, info = detect_process_info(env)
     if environment.name not in ("openmpi", "mpich", "mvapich") or info.world_size < 2 or info.rank != 0:

@@ -14,13 +14,14 @@ Differences from Accelerate, same signatures:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import os
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,9 @@ from hasten.base.environment import patch_environment
 from hasten.config.env import launch_config_to_env
 from hasten.config.schema import LaunchConfig
 from hasten.exceptions import ConfigurationError, LaunchError
+from hasten.launchers.plan import LaunchPlan, choose_port, listening_variables, worker_env
 
 _PRECISIONS = ("no", "fp16", "bf16", "fp8")
-
-
-def _added_environment(extra: Mapping[str, str]) -> Any:
-    # Workers (forked ranks, or the agent's children) copy this process's environment, so the
-    # variables are set here for the duration of the launch.
-    return patch_environment(**extra)
 
 
 def _refuse_unsafe_fork() -> None:
@@ -61,7 +57,7 @@ def _refuse_unsafe_fork() -> None:
 
 
 def _end_process_group() -> None:
-    from hasten.environments.process_group import end_group
+    from hasten.runtime.process_group import end_group
 
     end_group(barrier=True)  # gloo may abort a rank whose peer tears down first
 
@@ -71,7 +67,7 @@ def _rank_main(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)  # the agent logs the entry point's name and qualname
     def run(*args: Any) -> Any:
         install_unless_real_accelerate()  # libraries the function imports (transformers...) find hasten
-        from hasten.launchers.network import bind_worker_store
+        from hasten.launchers.machines.store import bind_worker_store
 
         store = bind_worker_store(os.environ)  # noqa: F841 - c10d on one machine: rank 0 hosts on loopback
         result = function(*args)
@@ -80,17 +76,28 @@ def _rank_main(function: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _pick_port(use_port: str | int, master_addr: str, single_machine: bool) -> int:
-    from hasten.environments import find_free_port
-    from hasten.launchers.plan import port_in_use
+def _launch_plan(config: LaunchConfig, nproc_per_node: int, num_nodes: int, node_rank: int, master_addr: str,
+                 use_port: str | int, rdzv_backend: str, rdzv_endpoint: str, max_restarts: int) -> LaunchPlan:
+    """The launch plan of a function, decided as ``hasten launch`` decides a script's (:mod:`hasten.launchers.plan`).
 
-    port = int(use_port)
-    if port == 0 or (single_machine and port_in_use(port, master_addr)):
-        free = find_free_port()
-        if port:
-            print(f"notebook_launcher: port {port} is in use; using free port {free} instead.", file=sys.stderr)
-        return free
-    return port
+    The port (a busy one on a single machine is replaced by a free one), the address the launcher and
+    the workers listen on (loopback on one machine, unless an endpoint is given), and every variable the
+    forked ranks receive besides torchrun's own.
+    """
+    notes: list[str] = []
+    placed = dataclasses.replace(config, num_machines=num_nodes, machine_rank=node_rank,
+                                 main_process_port=int(use_port))
+    port = choose_port(placed, notes)
+    for note in notes:
+        print(f"notebook_launcher: {note}.", file=sys.stderr)
+    variables = {**worker_env(config), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)}
+    bind_addr = ""
+    if num_nodes == 1 and not rdzv_endpoint:  # one machine: every listener on loopback, as `hasten launch`
+        bind_addr, listening = listening_variables(master_addr, 1, rdzv_backend, os.environ)
+        variables.update(listening, MASTER_ADDR=bind_addr)
+    return LaunchPlan(launcher="torchrun", config=config, command=[], env=variables, nproc_per_node=nproc_per_node,
+                      nnodes=num_nodes, node_rank=node_rank, master_addr=master_addr, master_port=port,
+                      rdzv_backend=rdzv_backend, notes=notes, bind_addr=bind_addr, max_restarts=max_restarts)
 
 
 def _peer_error(text: str) -> bool:
@@ -160,58 +167,38 @@ def notebook_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), 
     config = LaunchConfig.from_dict(
         {"mixed_precision": str(mixed_precision).lower(), "use_cpu": gpus == 0,
          "distributed_type": "NO" if num_processes * num_nodes == 1 else ("MULTI_GPU" if gpus else "MULTI_CPU")},
-        source="notebook_launcher").to_launch_dict()
+        source="notebook_launcher")
     if num_processes == 1 and num_nodes == 1:
         print(f"Launching training on {'one GPU' if gpus else 'CPU'}.")
         install_unless_real_accelerate()
-        with _added_environment(launch_config_to_env(config)):
+        with patch_environment(**worker_env(config)):
             function(*args)
         return
     _refuse_unsafe_fork()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig as ElasticLaunchConfig, elastic_launch
 
-    port = _pick_port(use_port, master_addr, num_nodes == 1)
-    local = _local_listening(master_addr, rdzv_backend) if num_nodes == 1 and not rdzv_endpoint else None
+    plan = _launch_plan(config, num_processes, num_nodes, node_rank, master_addr, use_port, rdzv_backend,
+                        rdzv_endpoint, max_restarts)
     rdzv_conf = dict(rdzv_conf or {})
     if rdzv_backend == "static":
         rdzv_conf["rank"] = node_rank
-    endpoint = rdzv_endpoint or f"{master_addr}:{port}"
-    launch = ElasticLaunchConfig(min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=num_processes, run_id=rdzv_id,
-                          rdzv_endpoint=endpoint, rdzv_backend=rdzv_backend, rdzv_configs=rdzv_conf,
-                          max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="fork",
-                          log_line_prefix_template=log_line_prefix_template,
-                          local_addr=local["MASTER_ADDR"] if local else None)
+    launch = ElasticLaunchConfig(min_nodes=plan.nnodes, max_nodes=plan.nnodes, nproc_per_node=plan.nproc_per_node,
+                                 run_id=rdzv_id, rdzv_endpoint=rdzv_endpoint or f"{plan.master_addr}:{plan.master_port}",
+                                 rdzv_backend=plan.rdzv_backend, rdzv_configs=rdzv_conf, max_restarts=plan.max_restarts,
+                                 monitor_interval=monitor_interval, start_method="fork",
+                                 log_line_prefix_template=log_line_prefix_template, local_addr=plan.bind_addr or None)
     print(f"Launching training on {num_processes} {'GPU' if gpus else 'CPU'} processes.")
-    env = {**launch_config_to_env(config), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), **(local or {})}
-    with _added_environment(env), contextlib.ExitStack() as stack:
-        if local:
-            from hasten.launchers.network import store_server
+    # Forked ranks copy this process's environment: the plan's variables are set here for the launch.
+    with patch_environment(**plan.env), contextlib.ExitStack() as stack:
+        if plan.bind_addr:
+            from hasten.launchers.machines.store import store_server
 
-            stack.enter_context(store_server(local["MASTER_ADDR"], port))
+            stack.enter_context(store_server(plan.bind_addr, plan.master_port))
         try:
             elastic_launch(config=launch, entrypoint=_rank_main(function))(*args)
         except ChildFailedError as exc:
             raise launch_failure(f"notebook_launcher: {_failure_message(exc)}", exc.name, exc.failures) from None
-
-
-def _local_listening(master_addr: str, rdzv_backend: str) -> dict[str, str]:
-    """One machine: the environment that keeps every listener on loopback, as ``hasten launch`` does.
-
-    The launcher hosts the rendezvous store on that address (torch's listens on every interface), gloo
-    gets its interface, and with c10d the workers' store is hosted by rank 0 on that address
-    (:func:`_rank_main`) instead of the agent's extra store server on every interface.
-    """
-    from hasten.launchers.network import bind_address, interface_of
-
-    address = bind_address(master_addr, 1)
-    env = {"MASTER_ADDR": address}
-    interface = interface_of(address)
-    if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = interface
-    if rdzv_backend == "c10d":
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
 
 
 @functools.cache
@@ -241,7 +228,7 @@ def launch_failure(message: str, name: str, failures: dict[int, Any] | None = No
 def _debug_rank(rank: int, function: Callable[..., Any], args: tuple[Any, ...], world: int, folder: str) -> None:
     import torch.distributed as dist
 
-    from hasten.environments.process_group import start_group
+    from hasten.runtime.process_group import start_group
     from hasten.state import reset_state
 
     reset_state()  # the rank must not reuse the parent's view of the run

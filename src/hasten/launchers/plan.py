@@ -1,32 +1,36 @@
 """Turn a resolved ``LaunchConfig`` into a launch plan: which launcher, how many processes, which
 rendezvous, the worker command and the variables the workers receive. Starts nothing.
 
-Workers get torchrun's standard variables and one hasten variable, ``HASTEN_LAUNCH_CONFIG`` (the
-JSON of the configuration, with Accelerate's key names).
+Workers get torchrun's standard variables, ``HASTEN_LAUNCH_CONFIG`` (the JSON of the configuration, with
+Accelerate's key names), Accelerate's ``ACCELERATE_*`` variables, and what keeps a launch's listeners on its
+address and tells the workers where to leave preemption markers: every one of them is in the plan, so
+``--dry_run`` prints all that a worker receives besides torchrun's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import shlex
 import socket
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hasten.config.env import COLLECTIVE_TIMEOUT_VAR, launch_config_to_env
+from hasten.config.env import COLLECTIVE_TIMEOUT_VAR, PREEMPTION_DIR_VAR, launch_config_to_env
 from hasten.config.parallelism import parallelism_config_from_launch
 from hasten.config.schema import LaunchConfig
-from hasten.exceptions import ConfigurationError
+from hasten.exceptions import ConfigurationError, LaunchError
 from hasten.launchers.affinity import check_affinity_supported
 
 DEFAULT_PORT = 29500
 #: Worker group restarts allowed by default with ``--num_machines MIN:MAX`` (each machine lost uses one).
 ELASTIC_RESTARTS = 3
-#: A worker's exit status when hasten's hang watchdog stopped it (``hasten.environments.watchdog.HANG_EXIT_CODE``;
+#: A worker's exit status when hasten's hang watchdog stopped it (``hasten.runtime.watchdog.HANG_EXIT_CODE``;
 #: repeated here so that planning a launch does not import torch).
 HANG_EXIT_CODE = 124
 # Engines whose hasten support is detected by the presence of their module (no import needed).
@@ -281,6 +285,33 @@ def choose_port(config: LaunchConfig, notes: list[str]) -> int:
     return port
 
 
+def listening_variables(master_addr: str, nnodes: int, rdzv_backend: str,
+                        env: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """The local address this machine's launcher and workers listen on, and the variables that keep them there.
+
+    Raises:
+        LaunchError: ``master_addr`` cannot be resolved or reached from this machine.
+    """
+    from hasten.environments.network import bind_address, interface_of
+
+    address = bind_address(master_addr, nnodes)
+    variables = {}
+    interface = interface_of(address)
+    if interface and "GLOO_SOCKET_IFNAME" not in env:
+        variables["GLOO_SOCKET_IFNAME"] = interface  # gloo listens where the store does, not on every interface
+    if rdzv_backend == "c10d":
+        # Not the agent's shared store (torch binds it on every interface, on a port hasten cannot choose):
+        # worker rank 0 hosts the process group's store, bound by hasten's worker bootstrap. It also
+        # gives each restarted round a fresh store, without the dead round's keys (a dead peer's address).
+        variables["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return address, variables
+
+
+def preemption_folder() -> str:
+    """A fresh path for the markers of workers stopped by preemption (created when the launch starts)."""
+    return os.path.join(tempfile.gettempdir(), f"hasten-preempt-{secrets.token_hex(6)}")
+
+
 def default_threads(config: LaunchConfig, nproc_per_node: int, requested: int | None,
                     env: Mapping[str, str]) -> int | None:
     """``OMP_NUM_THREADS`` for workers: the request, else the caller's, else cores / local processes on CPU."""
@@ -384,6 +415,13 @@ def build_plan(config: LaunchConfig, options: LaunchOptions, env: Mapping[str, s
                       rdzv_conf=_rdzv_conf(config, options.rdzv_conf), notes=notes,
                       mesh=parallelism.describe() if parallelism is not None else None,
                       min_nnodes=config.min_machines, max_restarts=restarts)
+    if launcher == "torchrun":  # decided here, not in the agent, so that --dry_run shows them
+        try:
+            plan.bind_addr, listening = listening_variables(addr, config.num_machines, backend, env)
+        except LaunchError:  # reported when the launch starts (it binds the address again), not by --dry_run
+            listening = {}
+        plan.env.update(listening)
+        plan.env[PREEMPTION_DIR_VAR] = preemption_folder()
     if launcher == "slurm-task":
         plan.nproc_per_node, plan.nnodes = 1, config.num_processes  # type: ignore[assignment]
         plan.node_rank = 0

@@ -3,7 +3,7 @@
 The agent starts ``nproc_per_node`` workers, gives them torchrun's variables (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ...), stops the others as soon as one fails, restarts the group up to
 ``max_restarts`` times, and stops every worker on SIGINT/SIGTERM. Workers that stopped for preemption
-(see :mod:`hasten.environments.preemption`) exit 0 and leave a marker file, so the agent neither restarts
+(see :mod:`hasten.runtime.preemption`) exit 0 and leave a marker file, so the agent neither restarts
 them nor counts a failure; the launcher then exits with ``PREEMPTED_EXIT_CODE`` (75).
 """
 
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from hasten.base.environment import patch_environment
 from hasten.config.env import PREEMPTION_DIR_VAR
-from hasten.environments.preemption import PREEMPTED_EXIT_CODE, signal_number
 from hasten.exceptions import LaunchError
 from hasten.launchers.plan import HANG_EXIT_CODE, WORKER_MODULE, LaunchOptions, LaunchPlan
+from hasten.runtime.preemption import PREEMPTED_EXIT_CODE, signal_number
 
 if TYPE_CHECKING:
-    from hasten.launchers.netwatch import ElasticWatch
+    from hasten.launchers.machines.watch import ElasticWatch
 
 #: ``hasten launch``'s exit status when the network check failed (as when the machines could not meet).
 NETWORK_CHECK_EXIT_CODE = 1
@@ -87,7 +87,7 @@ def _added_environment(extra: Mapping[str, str]) -> Any:
 
 def run_torchrun(plan: LaunchPlan, options: LaunchOptions) -> int:
     """Run the plan under the elastic agent; return the exit code (the failed worker's, if any)."""
-    from hasten.launchers.netsignals import present
+    from hasten.launchers.machines.reports import present
 
     with contextlib.ExitStack() as stack:
         if plan.nnodes > 1:
@@ -108,7 +108,8 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
     )
     from torch.distributed.run import get_args_parser, run
 
-    from hasten.launchers.network import bind_address, interface_of, store_server
+    from hasten.environments.network import bind_address
+    from hasten.launchers.machines.store import store_server
 
     try:
         plan.bind_addr = plan.bind_addr or bind_address(plan.master_addr, plan.nnodes)
@@ -117,20 +118,13 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
         return 2
     args = get_args_parser().parse_args(torchrun_argv(plan, options))
     if plan.rdzv_backend == "c10d" and plan.nnodes > 1:  # the same c10d rendezvous, plus a line per round
-        from hasten.launchers.elastic import use_membership_backend
+        from hasten.launchers.machines.membership import use_membership_backend
 
         args.rdzv_backend = use_membership_backend(f"{socket.gethostname()} ({plan.bind_addr})", plan.nproc_per_node)
-    agent_env = dict(plan.env)
-    if plan.rdzv_backend == "c10d":
-        # Not the agent's shared store (torch binds it on every interface, on a port hasten cannot choose):
-        # worker rank 0 hosts the process group's store, bound by hasten's worker bootstrap. It also
-        # gives each restarted round a fresh store, without the dead round's keys (a dead peer's address).
-        agent_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    interface = interface_of(plan.bind_addr)
-    if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
-        agent_env["GLOO_SOCKET_IFNAME"] = interface  # gloo listens where the store does, not on every interface
+    agent_env = dict(plan.env)  # the plan holds every variable the workers get (listening, preemption markers)
     hosts_store = plan.node_rank == 0 if plan.rdzv_backend == "static" else (plan.nnodes == 1 or plan.node_rank == 0)
-    markers = tempfile.mkdtemp(prefix="hasten-preempt-")  # workers stopped by preemption leave a file here
+    markers = agent_env.get(PREEMPTION_DIR_VAR) or tempfile.mkdtemp(prefix="hasten-preempt-")
+    os.makedirs(markers, mode=0o700, exist_ok=True)  # workers stopped by preemption leave a file here
     agent_env[PREEMPTION_DIR_VAR] = markers
     started = time.time()
     watch: ElasticWatch | None = None  # machine 0 of a MIN:MAX launch: the others' UDP reports
@@ -140,7 +134,7 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
             if hosts_store:
                 stack.enter_context(store_server(plan.bind_addr, plan.master_port))
             if plan.min_nnodes and plan.nnodes > 1 and plan.node_rank == 0 and not options.check_network:
-                from hasten.launchers.netwatch import ElasticWatch
+                from hasten.launchers.machines.watch import ElasticWatch
 
                 # Bound before the check, so that no report of a machine that cannot reach the port is lost.
                 watch = stack.enter_context(ElasticWatch(plan.bind_addr, plan.master_addr, plan.master_port,
@@ -161,7 +155,7 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
         except RendezvousClosedError:
             return _closed_rendezvous(plan, watch)
         except RendezvousTimeoutError as exc:  # c10d: fewer than MIN machines joined in time
-            from hasten.launchers.netwatch import timeout_problem
+            from hasten.launchers.machines.watch import timeout_problem
 
             endpoint = f"{plan.master_addr}:{plan.master_port}"
             line = watch.timeout_problem(endpoint, exc) if watch is not None else \
@@ -184,7 +178,7 @@ def _run(plan: LaunchPlan, options: LaunchOptions) -> int:
 
 def _closed_rendezvous(plan: LaunchPlan, watch: ElasticWatch | None) -> int:
     """MIN:MAX: machine 0's watch closed the rendezvous (too few machines can join); print its line everywhere."""
-    from hasten.launchers.netwatch import recorded_problem
+    from hasten.launchers.machines.watch import recorded_problem
 
     line = watch.fatal if watch is not None else recorded_problem(plan.master_addr, plan.master_port)
     if line is None:
@@ -223,7 +217,12 @@ def _report_preemption(folder: str, nproc: int, started: float) -> bool:
 
 def _network_check(plan: LaunchPlan, options: LaunchOptions) -> int | None:
     """Multi-machine launches: check the network before the rendezvous; the exit code if it failed, else None."""
-    from hasten.launchers.netcheck import NetworkCheckFailed, check_network, describe, rendezvous_timeout
+    from hasten.launchers.machines.check import (
+        NetworkCheckFailed,
+        check_network,
+        describe,
+        rendezvous_timeout,
+    )
 
     endpoint = f"{plan.master_addr}:{plan.master_port}"
     print(f"hasten launch: checking the network: machine {plan.node_rank} of {plan.nnodes}, rendezvous {endpoint}, "
@@ -236,7 +235,7 @@ def _network_check(plan: LaunchPlan, options: LaunchOptions) -> int | None:
         return NETWORK_CHECK_EXIT_CODE
     print(f"hasten launch: {describe(peers, endpoint, met=plan.min_nnodes is None)}", file=sys.stderr, flush=True)
     if plan.min_nnodes and plan.node_rank != 0 and not options.check_network:
-        from hasten.launchers.netwatch import joined
+        from hasten.launchers.machines.watch import joined
 
         joined(plan.master_addr, plan.master_port)  # machine 0 keeps its store for this one if it must stop all
     return None

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     from hasten._private_api import run_exit_functions
     from hasten.config.env import launch_config
     from hasten.launchers.affinity import pin_local_rank
-    from hasten.launchers.network import bind_worker_store
+    from hasten.launchers.machines.store import bind_worker_store
 
     config = launch_config(os.environ)
     if config is not None:

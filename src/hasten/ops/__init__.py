@@ -1,11 +1,10 @@
 """Stateless tensor-tree helpers and collectives (torch.distributed only; no hasten state).
 
 What the collectives report to (the hang watchdog's tracker, debug mode's checks) is process-group
-state and lives in :mod:`hasten.environments` with the group's lifetime; ``tests/test_house_rules.py``
+state and lives in :mod:`hasten.runtime` with the group's lifetime; ``tests/test_house_rules.py``
 keeps module-level mutable state and threads out of this package.
 """
 
-from hasten.environments.debug_checks import debug_checks_enabled, verify_operation
 from hasten.ops.collectives import (
     barrier,
     broadcast,
@@ -33,6 +32,7 @@ from hasten.ops.tree import (
     send_to_device,
     slice_tensors,
 )
+from hasten.runtime.debug_checks import debug_checks_enabled, verify_operation
 
 __all__ = [
     "barrier", "debug_checks_enabled", "broadcast", "broadcast_object_list", "concatenate", "convert_to_fp32",

@@ -19,15 +19,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hasten.environments.debug_checks import (
+from hasten.exceptions import DistributedOperationError
+from hasten.ops.tree import is_torch_tensor, recursively_apply
+from hasten.runtime.debug_checks import (
     debug_checks_enabled,
     describe,
     format_description,
     verify_operation,
 )
-from hasten.environments.watchdog import tracked
-from hasten.exceptions import DistributedOperationError
-from hasten.ops.tree import is_torch_tensor, recursively_apply
+from hasten.runtime.watchdog import tracked
 
 
 def is_distributed() -> bool:

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hasten.environments.debug_checks import debug_checks_enabled, verify_operation as _verify
 from hasten.exceptions import DistributedOperationError
 from hasten.ops.collectives import is_distributed
 from hasten.ops.tree import convert_to_fp32, recursively_apply
+from hasten.runtime.debug_checks import debug_checks_enabled, verify_operation as _verify
 
 #: Accelerate's integer codes of tensor dtypes (its ``gather_tensor_shape`` metadata) and their inverse.
 TENSOR_TYPE_TO_INT: dict[torch.dtype, int] = {

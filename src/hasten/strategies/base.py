@@ -15,9 +15,9 @@ from hasten.base.dataclasses import DistributedType
 from hasten.base.imports import is_compiled_module
 from hasten.checkpointing import files as ckpt, restore_checks as checks
 from hasten.checkpointing.sinks import Sink
-from hasten.environments import process_group
 from hasten.exceptions import ConfigurationError
 from hasten.precision import Precision
+from hasten.runtime import process_group
 
 
 @dataclass

@@ -32,10 +32,10 @@ from hasten.checkpointing import CheckpointError
 from hasten.checkpointing.safe_load import check_deepspeed_files
 from hasten.checkpointing.sinks import Sink
 from hasten.config.plugins.deepspeed import DeepSpeedPlugin
-from hasten.environments import process_group
 from hasten.exceptions import ConfigurationError
 from hasten.precision import Precision
 from hasten.precision.deepspeed import DeepSpeedPrecision
+from hasten.runtime import process_group
 from hasten.strategies.base import CheckedState, Strategy
 from hasten.strategies.deepspeed_checks import check_engine_checkpoint
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hasten.config.env import test_start_method
-from hasten.environments.process_group import end_group, group_running, start_group
+from hasten.runtime.process_group import end_group, group_running, start_group
 
 
 class RankFailed(RuntimeError):

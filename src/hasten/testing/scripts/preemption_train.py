@@ -1,6 +1,6 @@
 """A small training run that can be preempted mid-epoch and resumed: the preemption tests' workload.
 
-Used two ways: ``tests/environments/test_preemption.py`` runs :func:`train` on forked ranks (it executes this file's
+Used two ways: ``tests/runtime/test_preemption.py`` runs :func:`train` on forked ranks (it executes this file's
 text), and ``hasten launch`` / a SLURM batch job runs it as a script::
 
     hasten launch preemption_train.py PROJECT OUT [MARKER]
@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import Accelerator, ProjectConfiguration
-from hasten.environments.preemption import PREEMPTION, Preempted
+from hasten.runtime.preemption import PREEMPTION, Preempted
 from hasten.utils import set_seed
 
 EPOCHS = 2

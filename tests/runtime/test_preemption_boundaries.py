@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from hasten import PREEMPTED_EXIT_CODE, Accelerator, ProjectConfiguration
-from hasten.environments import preemption
+from hasten.runtime import preemption
 from hasten.testing import run_on_ranks
 from hasten.utils import set_seed
 
@@ -200,7 +200,7 @@ _SCRIPT = """
 import sys, time
 import torch
 from hasten import Accelerator
-from hasten.environments.preemption import PREEMPTION
+from hasten.runtime.preemption import PREEMPTION
 
 mode, marker = sys.argv[1], sys.argv[2]
 accelerator = Accelerator()

@@ -10,7 +10,7 @@ import torch
 
 from hasten import PartialState
 from hasten.config.env import collective_timeout
-from hasten.environments.watchdog import HANG_EXIT_CODE, process_group_timeout
+from hasten.runtime.watchdog import HANG_EXIT_CODE, process_group_timeout
 
 HANG = """
 import datetime, sys, threading
@@ -83,7 +83,7 @@ def test_bad_collective_timeout_exits_2(tmp_path, capsys):
 
 @pytest.mark.world_size(2, env={"HASTEN_DEBUG_MODE": "1"})
 def test_debug_mode_bounds_a_missing_rank_by_60_seconds_by_default():
-    from hasten.environments import debug_checks as debug, watchdog
+    from hasten.runtime import debug_checks as debug, watchdog
 
     state = PartialState()
     assert state.debug and state.timeout == datetime.timedelta(minutes=5)
@@ -123,7 +123,7 @@ def test_a_rank_skipping_a_step_is_named_while_the_other_waits_in_backward(tmp_p
 
 
 def test_tracker_reports_the_user_line_that_entered_the_collective():
-    from hasten.environments import watchdog
+    from hasten.runtime import watchdog
 
     tracker = watchdog._Tracker()
     line = sys._getframe().f_lineno + 1

@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from hasten._private_api import clone_default_store
-from hasten.environments import preemption
-from hasten.environments.debug_checks import disable_debug_checks, enable_debug_checks
-from hasten.environments.watchdog import process_group_timeout, start_watchdog, stop_watchdog
 from hasten.exceptions import DistributedOperationError
+from hasten.runtime import preemption
+from hasten.runtime.debug_checks import disable_debug_checks, enable_debug_checks
+from hasten.runtime.watchdog import process_group_timeout, start_watchdog, stop_watchdog
 
 _BEFORE_END: list[Callable[[], None]] = []
 #: What this module installed process-wide, each at most once per process: the atexit teardown and the

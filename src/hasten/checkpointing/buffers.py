@@ -1,11 +1,11 @@
-"""Host staging buffers for asynchronous saves: the snapshot is tensor copies into memory reused between saves.
+"""Host buffers for asynchronous saves: the snapshot is tensor copies into memory reused between saves.
 
 An asynchronous save must copy the state before training goes on (the optimizer changes the
 parameters and its moments in place, on the CPU as well), but it should copy *only*: serialising
 (safetensors, ``torch.save``) is left to the background thread, which serialises the copies.
-:meth:`StagingBuffers.stage` returns a copy of a state (a state dict, an optimizer's state dict, any
+:meth:`HostBuffers.stage` returns a copy of a state (a state dict, an optimizer's state dict, any
 nested dicts/lists/tuples) in which every plain tensor is replaced by a tensor of the same dtype,
-offset, shape and strides over a **staging buffer**: a host storage the size of the source's storage.
+offset, shape and strides over a **host buffer**: a host storage the size of the source's storage.
 Tensors that share a storage share a buffer, so ``torch.save`` of the copy writes the same storages,
 in the same order, as ``torch.save`` of the original: the files are byte for byte those of a
 synchronous save. A DTensor of a sharded state dict is staged as a DTensor of the same spec over a
@@ -19,7 +19,7 @@ optimizer moments, save after save). Allocating fresh host memory costs more tha
 (first-touch page faults, several times a ``memcpy``), which is why the buffers are kept. A save frees
 the buffers it did not reuse, so the set is bounded by one snapshot: the bytes of the storages this
 process writes (model weights, optimizer state, accumulated gradients; the small states besides).
-:meth:`StagingBuffers.release` frees them (``end_training``). When the source is on a CUDA device the
+:meth:`HostBuffers.release` frees them (``end_training``). When the source is on a CUDA device the
 buffer is pinned host memory and the copies are asynchronous, waited for once before the save returns.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 # The location tags torch.save consults, set only on the thread that writes a snapshot's files and only
-# while it does (StagingBuffers.tagging): a save on any other thread, or any later one, never sees them.
+# while it does (HostBuffers.tagging): a save on any other thread, or any later one, never sees them.
 _WRITING = threading.local()
 _TAGGER_REGISTERED = False
 
@@ -56,7 +56,7 @@ def _never_loads(storage: Any, location: str) -> None:
 def _register_tagger() -> None:
     global _TAGGER_REGISTERED
     if not _TAGGER_REGISTERED:
-        # torch has one process-wide list of taggers; this one answers only inside StagingBuffers.tagging().
+        # torch has one process-wide list of taggers; this one answers only inside HostBuffers.tagging().
         # priority 1: before torch's CPU tagger (10), which would call the pinned copy "cpu"
         torch.serialization.register_package(1, _location_of_staged, _never_loads)
         _TAGGER_REGISTERED = True
@@ -94,8 +94,8 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 _Key = tuple[int, bool]  # (bytes, pinned)
 
 
-class StagingBuffers:
-    """One process's staging buffers for asynchronous saves, reused from one save to the next.
+class HostBuffers:
+    """One process's host buffers for asynchronous saves, reused from one save to the next.
 
     Use: :meth:`begin` when a save starts its snapshot (the previous save is finished), :meth:`stage`
     for each state, :meth:`end` before the save returns (waits for device copies, frees the buffers this
@@ -137,7 +137,7 @@ class StagingBuffers:
         self._used, self._staged = [], {}
 
     def stage(self, state: Any) -> Any:
-        """A copy of ``state`` whose tensors live in staging buffers (copied now); the rest deep-copied.
+        """A copy of ``state`` whose tensors live in host buffers (copied now); the rest deep-copied.
 
         A DTensor (a sharded state dict's entry) becomes a DTensor of the same spec (mesh, placements,
         global shape) over a host copy of this process's local shard: what
@@ -222,4 +222,4 @@ class StagingBuffers:
             if pinned:
                 self._locations.pop(storage.data_ptr(), None)
 
-__all__ = ["StagingBuffers"]
+__all__ = ["HostBuffers"]

@@ -1,7 +1,7 @@
 """Machine 0 of a ``--num_machines MIN:MAX`` launch hears the machines that cannot reach its rendezvous port.
 
 With a fixed machine count, machine 0's network check waits for every machine in its own store and
-reads their UDP reports meanwhile (:mod:`hasten.launchers.netcheck`). With MIN:MAX machines come and go,
+reads their UDP reports meanwhile (:mod:`hasten.launchers.machines.check`). With MIN:MAX machines come and go,
 so the check does not wait for the others: torch's c10d rendezvous does, in the agent, and completes
 once MIN machines joined (MAX at once, or MIN and then ``last_call_timeout``). A machine whose TCP
 connection to the rendezvous port is dropped or rejected still stops at once with its own line and
@@ -12,7 +12,7 @@ reads those reports for the whole launch and decides what a user of an elastic r
   each blocked machine is one fewer of the MAX that may join; when MAX minus the blocked ones drops
   below MIN, the rendezvous can never complete (a blocked machine already stopped), so waiting for the
   join timeout would only hide the cause. Machine 0 records its one line in its store, closes the
-  rendezvous (:func:`hasten.launchers.elastic.close_rendezvous`): every agent waiting in it stops
+  rendezvous (:func:`hasten.launchers.machines.membership.close_rendezvous`): every agent waiting in it stops
   within about a second, reads the line (:func:`recorded_problem`) and prints it, like a fixed count.
 - **Otherwise, name the blocked machine in one line and go on.** The run may still start with MIN or
   more machines, which is what MIN:MAX is for (a missing machine is tolerated, not fatal), so machine 0
@@ -29,13 +29,12 @@ import contextlib
 import sys
 import threading
 import time
-from datetime import timedelta
 from types import TracebackType
-from typing import Any
 
-from hasten.launchers import elastic
-from hasten.launchers.netcheck import reported_problem
-from hasten.launchers.netsignals import Inbox, Report
+from hasten.launchers.machines import membership
+from hasten.launchers.machines.check import reported_problem
+from hasten.launchers.machines.reports import Inbox, Report
+from hasten.launchers.machines.store import store_client
 
 __all__ = ["ElasticWatch", "recorded_problem", "timeout_problem"]
 
@@ -45,12 +44,6 @@ _JOINED = "hasten/network_check/elastic_joined"  # machines other than 0 that pa
 #: Seconds machine 0 keeps its store after closing the rendezvous, for the other machines to read the line.
 LINGER = 5.0
 _WAIT = 0.2  # how long the thread waits for a datagram before it looks at its stop flag
-
-
-def _client(master_addr: str, port: int, timeout: float) -> Any:
-    from torch.distributed import TCPStore
-
-    return TCPStore(master_addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 
 
 class ElasticWatch:
@@ -95,28 +88,28 @@ class ElasticWatch:
         self.blocked[key] = line
         can_join = self.max_nnodes - len(self.blocked)
         machines = f"--num_machines {self.min_nnodes}:{self.max_nnodes}"
-        if elastic.rounds_met() == 0 and can_join < self.min_nnodes:
+        if membership.rounds_met() == 0 and can_join < self.min_nnodes:
             self.fatal = (f"{line}. With {machines} at most {can_join} machine(s) can join now, fewer than "
                           f"{self.min_nnodes}: every machine stops")
             self._abort(self.fatal)
             return
         rest = (f"at most {can_join} of {self.max_nnodes} machines can join the first round, which needs "
-                f"{self.min_nnodes}" if elastic.rounds_met() == 0 else "the machines that joined train on")
+                f"{self.min_nnodes}" if membership.rounds_met() == 0 else "the machines that joined train on")
         print(f"hasten launch: network check: {line}. The run goes on without it ({machines}: {rest})",
               file=sys.stderr, flush=True)
 
     def _abort(self, line: str) -> None:
         """Record ``line`` in machine 0's store, then close the rendezvous: every agent stops."""
         with contextlib.suppress(RuntimeError, OSError):  # no store: the others stop with torch's message
-            store = _client(self.master_addr, self.port, 5.0)
+            store = store_client(self.master_addr, self.port, 5.0)
             store.set(_ABORT, line)
             self.others = int(store.add(_JOINED, 0))
-        elastic.close_rendezvous()
+        membership.close_rendezvous()
 
     def linger(self) -> None:
         """After ``fatal``: keep machine 0's store until the machines that joined read the line (LINGER at most)."""
         with contextlib.suppress(RuntimeError, OSError):
-            store = _client(self.master_addr, self.port, 5.0)
+            store = store_client(self.master_addr, self.port, 5.0)
             deadline = time.monotonic() + LINGER
             while int(store.add(_STOPPED, 0)) < self.others and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -129,13 +122,13 @@ class ElasticWatch:
 def joined(master_addr: str, port: int) -> None:
     """A machine other than 0 passed its check under MIN:MAX: count it, so that machine 0 lingers for it."""
     with contextlib.suppress(RuntimeError, OSError):
-        _client(master_addr, port, 5.0).add(_JOINED, 1)
+        store_client(master_addr, port, 5.0).add(_JOINED, 1)
 
 
 def recorded_problem(master_addr: str, port: int) -> str | None:
     """The line machine 0 recorded when it closed the rendezvous (see the module), or None."""
     with contextlib.suppress(RuntimeError, OSError):
-        store = _client(master_addr, port, 3.0)
+        store = store_client(master_addr, port, 3.0)
         if store.check([_ABORT]):
             line = store.get(_ABORT).decode()
             store.add(_STOPPED, 1)

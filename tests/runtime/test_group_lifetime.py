@@ -1,4 +1,4 @@
-"""The process group's whole lifetime has one owner (``environments/process_group.py``): however a group
+"""The process group's whole lifetime has one owner (``runtime/process_group.py``): however a group
 is started (one process, a private one-rank group, the test harness, ``notebook_launcher``, ``hasten
 launch`` with an elastic restart) and ended, nothing hangs on afterwards: no watchdog thread, no
 release hook, no group, no debug checks, no replaced ``sys.excepthook``, and one ``atexit`` at most.
@@ -14,8 +14,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from hasten.environments import process_group
-from hasten.environments.debug_checks import debug_checks_enabled
+from hasten.runtime import process_group
+from hasten.runtime.debug_checks import debug_checks_enabled
 
 
 def _hasten_excepthook():
@@ -36,7 +36,7 @@ CLEAN = {"group": False, "watchdog": [], "hooks": [], "debug": False, "excepthoo
 
 
 def test_state_py_starts_no_thread_and_registers_no_hook():
-    source = (process_group.__file__.rsplit("environments", 1)[0] + "state.py")
+    source = (process_group.__file__.rsplit("runtime", 1)[0] + "state.py")
     text = open(source).read()
     for needle in ("atexit", "excepthook", "start_watchdog", "stop_watchdog", "new_group", "enable_debug_checks"):
         assert needle not in text, f"state.py still handles {needle}: the group's lifetime belongs to process_group"
@@ -105,8 +105,8 @@ PRIVATE_GROUP = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from hasten import Accelerator, FullyShardedDataParallelPlugin
-    from hasten.environments import process_group
-    from hasten.environments.debug_checks import debug_checks_enabled
+    from hasten.runtime import process_group
+    from hasten.runtime.debug_checks import debug_checks_enabled
     from hasten.state import reset_state
 
     reports = []
@@ -172,7 +172,7 @@ NOTEBOOK = textwrap.dedent("""
     import json, sys, threading
     import torch.distributed as dist
     from hasten import notebook_launcher
-    from hasten.environments import process_group
+    from hasten.runtime import process_group
 
     def train():
         from hasten import Accelerator
@@ -215,8 +215,8 @@ LAUNCHED = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from hasten import Accelerator
-    from hasten.environments import process_group
-    from hasten.environments.debug_checks import debug_checks_enabled
+    from hasten.runtime import process_group
+    from hasten.runtime.debug_checks import debug_checks_enabled
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     accelerator = Accelerator(cpu=True)

@@ -6,7 +6,7 @@ all ranks exchange the operation's name and tensor shapes; any difference raises
 :class:`DistributedOperationError` on every rank with each rank's view.
 
 The switch and the gloo group are process-wide state tied to the process group's lifetime, so they
-live here beside :mod:`hasten.environments.process_group`, which turns them on and off
+live here beside :mod:`hasten.runtime.process_group`, which turns them on and off
 (``set_debug_checks``, ``end_group``); the collectives of :mod:`hasten.ops` only call
 :func:`verify_operation`.
 """

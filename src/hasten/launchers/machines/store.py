@@ -15,10 +15,43 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from hasten.environments.network import LOOPBACK, bind_address, interface_of, local_addresses
+from hasten.environments.network import LOOPBACK, local_addresses
 from hasten.exceptions import LaunchError
 
-__all__ = ["LOOPBACK", "bind_address", "bind_worker_store", "interface_of", "store_server"]
+__all__ = ["bind_worker_store", "listening_store", "store_client", "store_server"]
+
+
+def listening_store(address: str, port: int, timeout: timedelta = timedelta(seconds=300)) -> Any:
+    """The one way hasten hosts a ``TCPStore``: a multi-tenant server on a socket bound to ``address:port``.
+
+    torch's own rendezvous and ``init_process_group`` then ask for a multi-tenant store on that port and
+    reuse this one instead of listening on every interface. ``timeout`` bounds the store's waits (torch's
+    default, 300 s, unless given).
+
+    Raises:
+        OSError: the port cannot be bound on that address (the socket is closed again).
+    """
+    from torch.distributed import TCPStore
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen(1024)
+        store = TCPStore(address, port, is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
+                         wait_for_workers=False, timeout=timeout)
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the descriptor now and closes it
+    return store
+
+
+def store_client(master_addr: str, port: int, timeout: float) -> Any:
+    """A client of the store machine 0 hosts (``timeout`` seconds to connect and for each wait)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(master_addr, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout))
 
 
 @contextlib.contextmanager
@@ -28,23 +61,11 @@ def store_server(address: str, port: int, timeout: timedelta = timedelta(seconds
     Raises:
         LaunchError: the port is taken on that address.
     """
-    from torch.distributed import TCPStore
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((address, port))
-        except OSError as exc:
-            raise LaunchError(f"cannot listen on {address}:{port} for the rendezvous ({exc}). HINT: pass a free "
-                              "--main_process_port, or stop the process holding it.") from exc
-        listener.listen(1024)
-        store = TCPStore(address, port, is_master=True, multi_tenant=True, master_listen_fd=listener.fileno(),
-                         wait_for_workers=False, timeout=timeout)
-    except BaseException:
-        listener.close()
-        raise
-    listener.detach()  # the store's server owns the descriptor now and closes it
+        store = listening_store(address, port, timeout)
+    except OSError as exc:
+        raise LaunchError(f"cannot listen on {address}:{port} for the rendezvous ({exc}). HINT: pass a free "
+                          "--main_process_port, or stop the process holding it.") from exc
     yield store
 
 
@@ -56,20 +77,10 @@ def bind_worker_store(env: dict[str, str] | Any) -> Any:
     """
     if env.get("RANK") != "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "False" or "MASTER_PORT" not in env:
         return None
-    from torch.distributed import TCPStore
-
     address = env.get("MASTER_ADDR", LOOPBACK)
     if address not in local_addresses():
         return None  # a hostname or an address of another machine: leave the store to torch
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((address, int(env["MASTER_PORT"])))
+        return listening_store(address, int(env["MASTER_PORT"]))
     except OSError:
-        listener.close()
         return None  # torch will report the busy port itself
-    listener.listen(1024)
-    store = TCPStore(address, int(env["MASTER_PORT"]), is_master=True, multi_tenant=True,
-                     master_listen_fd=listener.fileno(), wait_for_workers=False)
-    listener.detach()  # owned by the store's server from now on
-    return store

@@ -5,7 +5,7 @@ registers a rendezvous backend in torch's public registry that is torch's own c1
 plus this: after each round, every machine's agent writes its name and address and its number of
 processes to the round's store (torch's), reads the others', and prints who left or joined and the new
 world size. Nothing else of the rendezvous changes, except that machine 0's network watch
-(:mod:`hasten.launchers.netwatch`) may close the first round (:func:`close_rendezvous`) when too few
+(:mod:`hasten.launchers.machines.watch`) may close the first round (:func:`close_rendezvous`) when too few
 machines can ever join: every machine's agent then stops instead of waiting for the join timeout.
 """
 

@@ -1,4 +1,4 @@
-"""The staging buffers of asynchronous saves (``hasten.checkpointing.staging``, issue 24 item 2).
+"""The host buffers of asynchronous saves (``hasten.checkpointing.buffers``, issue 24 item 2).
 
 Ground truths: ``torch.save`` of the original state (the staged copy must serialise to the same
 bytes), the original's values at staging time (training changes them in place afterwards), and the
@@ -12,7 +12,7 @@ import io
 import numpy as np
 import torch
 
-from hasten.checkpointing.staging import StagingBuffers
+from hasten.checkpointing.buffers import HostBuffers
 
 
 def _bytes(obj) -> bytes:
@@ -34,14 +34,14 @@ def _state() -> dict:
     }
 
 
-def _pointers(buffers: StagingBuffers) -> set[int]:
+def _pointers(buffers: HostBuffers) -> set[int]:
     return {storage.data_ptr() for _, storage in buffers._used}
 
 
 def test_a_staged_copy_serialises_to_the_same_bytes_and_keeps_the_values_of_the_call():
     state = _state()
     expected = _bytes(state)
-    buffers = StagingBuffers()
+    buffers = HostBuffers()
     buffers.begin()
     staged = buffers.stage(state)
     buffers.end()
@@ -60,7 +60,7 @@ def test_a_staged_copy_serialises_to_the_same_bytes_and_keeps_the_values_of_the_
 
 def test_buffers_are_reused_by_the_next_save_and_bounded_by_the_last_one():
     state = _state()
-    buffers = StagingBuffers()
+    buffers = HostBuffers()
     buffers.begin()
     first = buffers.stage(state)
     buffers.end()
@@ -87,7 +87,7 @@ def test_buffers_are_reused_by_the_next_save_and_bounded_by_the_last_one():
 def test_tensors_that_do_not_pickle_like_a_plain_copy_are_deep_copied():
     parameter = torch.nn.Parameter(torch.ones(3))
     state = {"parameter": parameter, "grad": torch.ones(2, requires_grad=True)}
-    buffers = StagingBuffers()
+    buffers = HostBuffers()
     buffers.begin()
     staged = buffers.stage(state)
     buffers.end()
@@ -100,7 +100,7 @@ def test_release_forgets_the_location_tag_of_every_buffer_of_one_size():
     # A CUDA source's buffer is tagged with its device for torch.save; several buffers in use can share one size.
     # Every tag must go with its buffer: a stale one would label an unrelated pinned tensor that later gets the
     # same address (CUDA's host allocator reuses blocks) as "cuda:N" in its file.
-    buffers = StagingBuffers()
+    buffers = HostBuffers()
     storages = [torch.empty(16, dtype=torch.uint8).untyped_storage() for _ in range(3)]
     buffers._used = [((16, True), s) for s in storages]
     for s in storages:
@@ -128,10 +128,10 @@ def test_a_location_tag_applies_only_on_the_thread_writing_the_snapshot_while_it
     # storage stands in for the buffer: the tagger only looks at the address.
     import threading
 
-    from hasten.checkpointing import staging
+    from hasten.checkpointing import buffers as buffers_module
 
-    staging._register_tagger()
-    buffers = StagingBuffers()
+    buffers_module._register_tagger()
+    buffers = HostBuffers()
     tensor = torch.arange(4.0)
     buffers._locations[tensor.untyped_storage().data_ptr()] = "cuda:0"
     assert _saved_locations(tensor) == ["cpu"]  # no snapshot being written: an ordinary file

@@ -17,14 +17,14 @@ Each machine's launcher checks, in this order:
 
 The first problem found is written to the store once (``compare_set``), so every machine that reached
 the store prints the same line and stops; a machine that cannot reach the store stops with its own line
-and reports it to machine 0 over UDP (:mod:`hasten.launchers.netsignals`), which stops with a line
+and reports it to machine 0 over UDP (:mod:`hasten.launchers.machines.reports`), which stops with a line
 naming that machine (with ``--num_machines MIN:MAX`` machine 0 reads those reports all launch long and
-stops only once fewer than MIN machines can join: :mod:`hasten.launchers.netwatch`). Only sockets and
+stops only once fewer than MIN machines can join: :mod:`hasten.launchers.machines.watch`). Only sockets and
 torch's store are used: no rendezvous or collective of hasten's own.
 
 Loopback: ``127.0.0.1`` reaches only the processes of this computer's network namespace, so with a
 loopback address the machines meet only if they all run here. A machine that waits for another one
-asks whether that machine's launcher runs here (:func:`~hasten.launchers.netsignals.is_present`, which
+asks whether that machine's launcher runs here (:func:`~hasten.launchers.machines.reports.is_present`, which
 each launcher marks when it starts): if so it waits as long as the rendezvous allows, however late that
 machine is; if not, it gives up after LOOPBACK_WAIT seconds with the line that names the address as the
 mistake (Kubernetes pods given ``MASTER_ADDR=127.0.0.1``). When the machines meet, they compare their
@@ -41,7 +41,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
 from hasten.environments.network import (
@@ -53,7 +52,8 @@ from hasten.environments.network import (
     nccl_interfaces,
 )
 from hasten.exceptions import LaunchError
-from hasten.launchers.netsignals import Inbox, Report, ask_host, host_identity, is_present, send_report
+from hasten.launchers.machines.reports import Inbox, Report, ask_host, host_identity, is_present, send_report
+from hasten.launchers.machines.store import store_client
 
 __all__ = ["NetworkCheckFailed", "PeerInfo", "check_network", "collective_address", "rendezvous_timeout"]
 
@@ -85,7 +85,7 @@ class PeerInfo:
     address: str
     port: int
     interface: str
-    host_id: str = ""  # boot id and network namespace (netsignals.host_identity)
+    host_id: str = ""  # boot id and network namespace (reports.host_identity)
 
     def __str__(self) -> str:
         return f"machine {self.rank} ({self.host})"
@@ -356,11 +356,8 @@ def _probe_all(me: PeerInfo, peers: list[PeerInfo]) -> list[str]:
 
 
 def _store_client(master_addr: str, port: int, rank: int) -> Any:
-    from torch.distributed import TCPStore
-
     try:
-        return TCPStore(master_addr, port, is_master=False, wait_for_workers=False,
-                        timeout=timedelta(seconds=RESULT_WAIT))
+        return store_client(master_addr, port, RESULT_WAIT)
     except (RuntimeError, OSError) as exc:  # DistNetworkError/DistStoreError are RuntimeErrors
         raise NetworkCheckFailed(f"{_me(rank)} reaches {master_addr}:{port} but cannot use torch's rendezvous store "
                                  f"there ({type(exc).__name__}: {exc}). HINT: check that --main_process_port is the "

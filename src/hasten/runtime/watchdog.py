@@ -15,7 +15,7 @@ The process group's own timeout is set a little beyond the bound (see :func:`pro
 so torch's own error remains the backstop for collectives hasten does not see (DDP's gradient
 all-reduce, a user's direct ``torch.distributed`` call).
 
-The thread lives and dies with the process group: :mod:`hasten.environments.process_group` starts it
+The thread lives and dies with the process group: :mod:`hasten.runtime.process_group` starts it
 (``watch_run``) and stops it before the group's store goes away (``end_group``).
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hasten._private_api import clone_default_store
-from hasten.environments.debug_checks import describe, format_description, user_file, user_frame
+from hasten.runtime.debug_checks import describe, format_description, user_file, user_frame
 
 DEFAULT_BOUND = timedelta(minutes=5)
 #: Exit status of a rank stopped by the watchdog (as ``timeout(1)`` uses for "timed out").

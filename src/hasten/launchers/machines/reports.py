@@ -15,7 +15,7 @@
   instead (a different port space), which a firewall that drops or rejects only that TCP port lets
   through: machine 0 then stops within seconds too. Where UDP is blocked as well, machine 0 waits for
   the rendezvous timeout, as it must (nothing reaches it). The datagrams are read during machine 0's
-  network check, and with ``--num_machines MIN:MAX`` for the whole launch (:mod:`hasten.launchers.netwatch`);
+  network check, and with ``--num_machines MIN:MAX`` for the whole launch (:mod:`hasten.launchers.machines.watch`);
   one carries a machine rank, host, address and reason, and nothing is executed.
 """
 

@@ -22,7 +22,7 @@ from torch import nn
 
 import hasten.testing
 from hasten import PREEMPTED_EXIT_CODE
-from hasten.environments import preemption
+from hasten.runtime import preemption
 from hasten.testing import run_on_ranks
 
 SIGNAL_AT = 9  # the signal arrives inside the 9th micro-batch of the signalled rank
@@ -204,7 +204,7 @@ def test_signal_names_and_refusals():
 # a handler that took a lock (threading.Event.set) deadlocked the main thread there.
 _REENTER = """
 import signal, sys
-from hasten.environments import preemption
+from hasten.runtime import preemption
 preemption.arm(store=None, rank=0, world=1, signal_name="USR1", env={}, stop_action=None, marker_dir=None)
 tried = set()
 def again_inside(frame, event, arg):
