@@ -144,8 +144,6 @@ def test_pipeline_fields_come_from_the_launch_block_and_bad_ones_are_refused():
     assert (config.pp_size, config.pp_microbatches, config.pipeline_microbatches) == (4, None, 4)
     with pytest.raises(ConfigurationError, match="pp_microbatches=1 is fewer than pp_size=2"):
         ParallelismConfig(pp_size=2, pp_microbatches=1)
-    with pytest.raises(ConfigurationError, match="several stages per process"):
-        ParallelismConfig(pp_size=2, pp_schedule="Interleaved1F1B")
     with pytest.raises(ConfigurationError, match="composes with replication"):
         ParallelismConfig(pp_size=2, dp_shard_size=2).validate(4)
     with pytest.raises(ConfigurationError, match="composes with replication"):

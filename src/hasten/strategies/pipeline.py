@@ -32,7 +32,7 @@ from torch import nn
 
 from hasten.checkpointing import files as ckpt, restore_checks as checks
 from hasten.checkpointing.sinks import Sink
-from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
+from hasten.config.parallelism import PP_MULTI_STAGE, PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
 from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_single_process_files
@@ -41,6 +41,14 @@ from hasten.strategies.pipeline_checkpoint import (
     full_weights,
     optimizer_layout,
     stage_optimizer_state,
+)
+from hasten.strategies.pipeline_schedules import (
+    StageCall,
+    check_schedule,
+    cut_stages,
+    forward_through_stages,
+    local_stages,
+    stage_ranks,
 )
 from hasten.strategies.pipeline_split import cut_stage
 
@@ -62,43 +70,70 @@ class PipelinedModel(nn.Module):
 
 
 class _PipelineRunner:
-    """One stage's schedules and the step around them: micro-batch losses, the loss on every process.
+    """This process's stages, their schedules and the step around them: micro-batch losses, the loss on
+    every process.
 
     torch's stage learns the shapes it exchanges from its first micro-batch and keeps them, so each
     distinct set of input shapes (a smaller last batch, another sequence length, evaluation) gets its
-    own stage and schedule over the same module, built at the first call that has those shapes. Every
+    own stages and schedule over the same modules, built at the first call that has those shapes. Every
     process holds the batch, so all of them pick the same one without a collective.
     """
 
-    def __init__(self, stage_module: nn.Module, config: ParallelismConfig, mesh: Any, device: torch.device,
-                 loss_fn: Callable[..., Any] | None, accumulation_steps: int) -> None:
-        from torch.distributed import pipelining
-
+    def __init__(self, module: nn.Module, stage_modules: dict[int, nn.Module], config: ParallelismConfig, mesh: Any,
+                 device: torch.device, loss_fn: Callable[..., Any] | None, accumulation_steps: int) -> None:
         self.pp_size, self.microbatches = int(config.pp_size), config.pipeline_microbatches  # type: ignore[arg-type]
-        self.module = stage_module
+        self.schedule_name = str(config.pp_schedule)
+        self.module = module
+        self.stage_modules = stage_modules
+        self.num_stages = self.pp_size * len(stage_modules)
         self.group = mesh["pp"].get_group()
-        self.stage_index = int(mesh.get_local_rank("pp"))
-        self.last_rank = dist.get_global_rank(self.group, self.pp_size - 1)
+        self.owners = stage_ranks(self.schedule_name, self.pp_size, self.num_stages)
+        self.last_rank = dist.get_global_rank(self.group, self.owners[self.num_stages - 1])
+        #: What torch's stages call: each stage's module given only its own inputs.
+        self.stage_calls = {index: StageCall(module, index == 0,
+                                             self._last_stage_kwargs if index == self.num_stages - 1 else None)
+                            for index, module in stage_modules.items()}
         self.user_loss_fn = loss_fn
         self.accumulation_steps = accumulation_steps
         self.device = device
-        self.schedule_class = getattr(pipelining, PP_SCHEDULES[str(config.pp_schedule)])
         self.schedules: dict[tuple[Any, ...], Any] = {}
+        #: ``num_items_in_batch`` of the step in progress (``None``: each micro-batch's loss is a mean).
+        self._num_items: Any = None
         #: The loss the last step returned (what ``accelerator.backward`` accepts).
         self.last_loss: torch.Tensor | None = None
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """This process holds the pipeline's first stage (it reads the model's inputs)."""
+        return 0 in self.stage_modules
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.pp_size - 1
+        """This process holds the last stage (it computes the loss)."""
+        return self.num_stages - 1 in self.stage_modules
 
     def _micro_batch_loss(self, output: Any, target: Any) -> torch.Tensor:
-        """The loss the schedule backpropagates for one micro-batch: its share of the window's mean."""
-        raw = self.user_loss_fn(output, target) if self.user_loss_fn is not None else _own_loss(output)
-        return raw / (self.microbatches * self.accumulation_steps)
+        """The loss the schedule backpropagates for one micro-batch: its share of the window's loss.
+
+        A mean loss is divided by the micro-batches and the accumulation steps (the window's mean); a loss
+        already normalised by ``num_items_in_batch`` (the whole batch's count) only by the accumulation
+        steps, as ``accelerator.backward`` divides any loss.
+        """
+        if self.user_loss_fn is None:
+            raw = _own_loss(output)
+        elif self._num_items is None:
+            raw = self.user_loss_fn(output, target)
+        else:
+            raw = self.user_loss_fn(output, target, num_items_in_batch=self._num_items)
+        shares = self.accumulation_steps * (1 if self._num_items is not None else self.microbatches)
+        return raw / shares  # type: ignore[no-any-return]
+
+    def _last_stage_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The last stage's keyword arguments: the labels (and the item count) when the model computes its loss."""
+        if self.user_loss_fn is not None or "labels" not in kwargs:
+            return {}
+        extra = {} if self._num_items is None else {"num_items_in_batch": self._num_items}
+        return {"labels": kwargs["labels"], **extra}
 
     def _schedule(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> Any:
         """The schedule for these input shapes (training: with the loss and backward; else forward only)."""
@@ -106,32 +141,42 @@ class _PipelineRunner:
 
         key = (training, *_shapes(args), *_shapes(kwargs), *_shapes(labels))
         if key not in self.schedules:
-            stage = pipelining.PipelineStage(self.module, self.stage_index, self.pp_size, self.device, group=self.group)
-            if training:
-                self.schedules[key] = self.schedule_class(stage, n_microbatches=self.microbatches,
-                                                          loss_fn=self._micro_batch_loss, scale_grads=False)
+            stages = [pipelining.PipelineStage(call, index, self.num_stages, self.device, group=self.group)
+                      for index, call in self.stage_calls.items()]
+            schedule_class = getattr(pipelining, PP_SCHEDULES[self.schedule_name])
+            if self.schedule_name in PP_MULTI_STAGE:
+                # (evaluation walks the stages itself: forward_through_stages)
+                self.schedules[key] = schedule_class(stages, n_microbatches=self.microbatches,
+                                                     loss_fn=self._micro_batch_loss, scale_grads=False)
+            elif training:
+                self.schedules[key] = schedule_class(stages[0], n_microbatches=self.microbatches,
+                                                     loss_fn=self._micro_batch_loss, scale_grads=False)
             else:
-                self.schedules[key] = pipelining.ScheduleGPipe(stage, n_microbatches=self.microbatches)
+                self.schedules[key] = pipelining.ScheduleGPipe(stages[0], n_microbatches=self.microbatches)
         return self.schedules[key]
 
     def step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-        """Forward and backward of one batch through every stage; the batch's mean loss on every process.
+        """Forward and backward of one batch through every stage; the batch's loss on every process.
 
-        In evaluation (``model.eval()`` or ``torch.no_grad()``): forward only, returning the last stage's
-        output on every process, or ``loss_fn(output, labels)`` when labels are given.
+        The loss is the mean of the micro-batches' losses, or, when the call carries
+        ``num_items_in_batch`` (transformers' convention), the sum of the micro-batches' losses, each
+        already divided by that count. In evaluation (``model.eval()`` or ``torch.no_grad()``): forward
+        only, returning the last stage's output on every process, or ``loss_fn(output, labels)`` when
+        labels are given.
         """
         labels = kwargs.pop("labels", None)
+        self._num_items = kwargs.pop("num_items_in_batch", None)
         training = torch.is_grad_enabled() and module.training
         batch_size = self._check_call(training, args, kwargs, labels)
-        schedule = self._schedule(training, args, kwargs, labels)
         if not training:
-            return self._evaluate(schedule, args, kwargs, labels)
+            return self._evaluate(args, kwargs, labels)
+        schedule = self._schedule(training, args, kwargs, labels)
         step_args, step_kwargs, target = (), {}, None
         if self.is_first:
             step_args, step_kwargs = args, kwargs
         if self.is_last:
             if self.user_loss_fn is None:  # the model's own loss: the last stage's forward gets the labels
-                step_kwargs = {"labels": labels}
+                step_kwargs = {**step_kwargs, "labels": labels}
                 target = torch.zeros(batch_size, device=self.device)
             else:
                 target = labels
@@ -145,12 +190,17 @@ class _PipelineRunner:
         self.last_loss = loss
         return loss
 
-    def _evaluate(self, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> torch.Tensor:
+    def _evaluate(self, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> torch.Tensor:
         """Forward only; the output (or ``loss_fn(output, labels)``) sent from the last stage to every stage."""
         with torch.no_grad():
-            output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
+            if self.schedule_name in PP_MULTI_STAGE:
+                output = forward_through_stages(self.stage_calls, self.owners, self.group, self.device, args, kwargs)
+            else:
+                schedule = self._schedule(False, args, kwargs, labels)
+                output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
             if self.is_last and labels is not None:
-                output = self.user_loss_fn(output, labels)  # type: ignore[misc]
+                extra = {} if self._num_items is None else {"num_items_in_batch": self._num_items}
+                output = self.user_loss_fn(output, labels, **extra)  # type: ignore[misc]
         # The shape and dtype first (the other stages have not seen the output), or why it cannot be sent.
         meta: list[Any] = [None]
         if self.is_last:
@@ -247,7 +297,7 @@ class PipelineStrategy(Strategy):
         for obj in objects:
             batch_size = getattr(obj, "batch_size", None) if isinstance(obj, torch.utils.data.DataLoader) else None
             if isinstance(batch_size, int):
-                check_divisible(batch_size, int(self.config.pp_microbatches))  # type: ignore[arg-type]
+                check_divisible(batch_size, self.config.pipeline_microbatches)
 
     def prepare(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
                 device_placement: Sequence[bool], evaluation_mode: bool = False,
@@ -261,7 +311,8 @@ class PipelineStrategy(Strategy):
         if self.config.pp_split_points is None:
             raise ConfigurationError(
                 f"pp_size={stages} but {type(models[0]).__name__} has no split points: pass ParallelismConfig("
-                f"pp_size={stages}, pp_split_points=[...]) with the {stages - 1} module names where stages 1.. begin "
+                f"pp_size={stages}, pp_split_points=[...]) with the "
+                f"{stages * self.config.pipeline_stages_per_process - 1} module names where stages 1.. begin "
                 "(names from model.named_modules()).")
         # What checkpoints need from before the cut: the full model's keys and each optimizer's names.
         self._full_keys = set(models[0].state_dict())
@@ -270,19 +321,33 @@ class PipelineStrategy(Strategy):
                 self._layouts[id(optimizer)] = optimizer_layout(models[0], optimizer)
             except CheckpointError as error:  # raised if it is ever saved: training needs no names
                 self._layouts[id(optimizer)] = str(error)
-        model = cut_stage(models[0], list(self.config.pp_split_points), int(self.device_mesh.get_local_rank("pp")),
-                          stages)
+        model, stage_modules = self._cut(models[0])
         if device_placement[0]:
-            model = model.to(self.device)
+            model = model.to(self.device)  # in place: the stages' views share its modules
         self.apply_precision(model)
         kept = {id(p) for p in model.parameters()}
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in kept]
-        runner = _PipelineRunner(model, self.config, self.device_mesh, self.device, self._loss_fn,
+        runner = _PipelineRunner(model, stage_modules, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
         return [PipelinedModel(model, runner)], optimizers
+
+    def _cut(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module]]:
+        """Check the schedule can run, then cut ``model`` (in place) into this process's stages.
+
+        Returns:
+            the process's model (its stages' modules, full-model names) and each of its stages' module.
+        """
+        processes, rank = int(self.config.pp_size), int(self.device_mesh.get_local_rank("pp"))  # type: ignore[arg-type]
+        points, schedule = list(self.config.pp_split_points or ()), str(self.config.pp_schedule)
+        num_stages = len(points) + 1
+        check_schedule(schedule, processes, num_stages, self.config.pipeline_microbatches)
+        if schedule not in PP_MULTI_STAGE:
+            return cut_stage(model, points, rank, processes), {rank: model}
+        stage_modules = cut_stages(model, points, local_stages(schedule, processes, num_stages, rank), num_stages)
+        return model, stage_modules
 
     def compile(self, model: nn.Module, backend: str, options: dict[str, Any]) -> nn.Module:
         """Refused: the prepared model's call runs a whole pipeline schedule (communication and backward),
