@@ -175,6 +175,7 @@ REFUSALS = [
     ("ZBVZeroBubble", 5, 2, 8, "places exactly two stages per process (in a V): pp_size=2 needs 3 split points"),
     ("GPipe", 3, 2, 8, "runs one stage per process: pp_size=2 needs 1 split points, got 3"),
     ("LoopedBFS", 2, 2, 8, "do not divide evenly over pp_size=2"),
+    ("1F1B", 1, 2, 8, "takes no num_items_in_batch argument"),  # a mean loss_fn called with a count
 ]
 
 
@@ -192,7 +193,9 @@ def _refusals():
         accelerator = Accelerator(parallelism_config=config, cpu=True)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(rows, WIDTH)), batch_size=rows)
         try:
-            accelerator.prepare(_model(), loader, loss_fn=_mean_loss)
+            model, _ = accelerator.prepare(_model(), loader, loss_fn=_mean_loss)
+            if schedule == "1F1B":
+                model(torch.zeros(rows, WIDTH), labels=torch.zeros(rows, VOCAB), num_items_in_batch=torch.tensor(3))
             outcomes.append(("no error", time.monotonic() - started))
         except ConfigurationError as error:
             outcomes.append((str(error), time.monotonic() - started))
@@ -201,6 +204,7 @@ def _refusals():
 
 @pytest.mark.serial
 def test_combinations_a_schedule_cannot_run_are_refused_at_prepare_within_5_s():
+    """(And a loss that cannot take the item count, at the call.)"""
     for outcomes in run_on_ranks(_refusals, world_size=2, timeout=200, pg_timeout=30):
         for (schedule, _, _, _, message), (text, seconds) in zip(REFUSALS, outcomes):
             assert message in text, (schedule, text)

@@ -8,11 +8,16 @@
     accelerator.backward(loss)            # checks the loss came from the pipeline; nothing else
     optimizer.step(); optimizer.zero_grad()
 
+Schedules with several stages per process (interleaved, looped, zero-bubble, V-shaped) cut the
+process's model into views that share its modules: :mod:`hasten.strategies.pipeline_schedules`.
+
 Numerics: each micro-batch's loss is divided by ``M`` (and by the accumulation steps) before its
 backward and the schedule's own scaling is off (``scale_grads=False``), so the gradients are those of
 the mean of the micro-batch losses, as a single process computes them for a mean loss over equal
-micro-batches. The returned loss is that mean (unscaled by accumulation), sent from the last stage to
-every stage (one broadcast of one number per step).
+micro-batches. A call with ``num_items_in_batch=n`` (transformers' convention for a loss summed over
+tokens and divided by the batch's count) passes ``n`` to the loss and does not divide by ``M``. The
+returned loss (unscaled by accumulation) is sent from the last stage to every stage (one broadcast of
+one number per step).
 
 With ``dp_replicate_size=R`` as well (PP x DDP, mesh ``(pp, dp_replicate)``), each replica reads its own
 share of the data, and a synchronising micro-step averages each stage's gradients over its replicas in
@@ -221,6 +226,12 @@ class _PipelineRunner:
         if not training and labels is not None and self.user_loss_fn is None:
             raise ConfigurationError("In evaluation under pp_size > 1, call the model without labels (its output comes "
                                      "back on every process), or give prepare(..., loss_fn=...) to get the loss.")
+        if self._num_items is not None and self.user_loss_fn is not None and not _takes_num_items(self.user_loss_fn):
+            raise ConfigurationError(
+                f"The model was called with num_items_in_batch, but loss_fn {getattr(self.user_loss_fn, '__name__', '')!r} "
+                "takes no num_items_in_batch argument: give prepare(..., loss_fn=fn) with fn(output, labels, "
+                "num_items_in_batch) returning the sum over the items divided by num_items_in_batch, or call the "
+                "model without it for a mean loss.")
         if training and labels is None:
             raise ConfigurationError("Under pp_size > 1 call the prepared model with labels: model(inputs, "
                                      "labels=labels); the last stage computes the loss from them (with prepare(..., "
@@ -242,6 +253,17 @@ def _shapes(data: Any) -> tuple[Any, ...]:
     if isinstance(data, (list, tuple)):
         return tuple(item for value in data for item in _shapes(value))
     return ()
+
+
+def _takes_num_items(loss_fn: Callable[..., Any]) -> bool:
+    """``loss_fn`` accepts ``num_items_in_batch=`` (by name or through ``**kwargs``)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return True
+    return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _own_loss(output: Any) -> torch.Tensor:
@@ -289,7 +311,8 @@ class PipelineStrategy(Strategy):
         self._full_keys: set[str] = set()
 
     def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
-        """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows)."""
+        """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows),
+        or ``loss_fn(output, labels, num_items_in_batch=n)`` when the model is called with that count."""
         self._loss_fn = loss_fn
 
     def observe_prepare_call(self, objects: Sequence[Any], *, split_batches: bool = False) -> None:
