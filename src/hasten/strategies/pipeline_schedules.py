@@ -19,7 +19,7 @@ process would at its first step, and turns torch's refusal into one :class:`Conf
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -172,7 +172,7 @@ class StageCall(nn.Module):
         return self.module(*args, **step_kwargs)
 
 
-def forward_through_stages(stage_calls: dict[int, nn.Module], owners: dict[int, int], group: Any,
+def forward_through_stages(stage_calls: Mapping[int, nn.Module], owners: Mapping[int, int], group: Any,
                            device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Forward only, the whole batch through the stages in order (evaluation with several stages per process).
 
