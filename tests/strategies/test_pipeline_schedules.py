@@ -209,3 +209,57 @@ def test_combinations_a_schedule_cannot_run_are_refused_at_prepare_within_5_s():
         for (schedule, _, _, _, message), (text, seconds) in zip(REFUSALS, outcomes):
             assert message in text, (schedule, text)
             assert seconds < 5, (schedule, seconds)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def _saved_under(schedule: str, folder: str):
+    """One SGD-with-momentum step under ``schedule``, then ``save_state``: the full model's weights."""
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.state import PartialState
+
+    processes = PartialState().num_processes
+    config = ParallelismConfig(pp_size=processes, pp_schedule=schedule, pp_microbatches=2 * processes,
+                               pp_split_points=_split_points(2 * processes))
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                           loss_fn=_mean_loss)
+    x, y = _batches("mean", 1)[0]
+    accelerator.backward(model(x, labels=y))
+    optimizer.step()
+    optimizer.zero_grad()
+    accelerator.save_state(folder)
+    return accelerator.get_state_dict(model)
+
+
+def _loaded_on_one_process(folder: str):
+    """Load the checkpoint without a pipeline, take one more step: (weights after load, after the step)."""
+    from hasten import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = _model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    accelerator.load_state(folder)
+    loaded = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x, y = _batches("mean", 2)[1]
+    accelerator.backward(_mean_loss(model(x), y))
+    optimizer.step()
+    return loaded, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_a_checkpoint_saved_under_a_v_schedule_resumes_on_one_process(tmp_path):
+    """Process 0 holds stages 0 and 3 (a V): the checkpoint still has every key once, and the momentum."""
+    folder = str(tmp_path / "checkpoint")
+    saved = run_on_ranks(_saved_under, world_size=2, args=("ZBVZeroBubble", folder), timeout=200, pg_timeout=30)[0]
+    loaded, stepped = run_on_ranks(_loaded_on_one_process, world_size=1, args=(folder,), timeout=200)[0]
+    model = _model()  # the uninterrupted run on one process
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _batches("mean", 2):
+        _mean_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert sorted(saved) == sorted(loaded) == sorted(name for name, _ in model.named_parameters())
+    for name, weight in loaded.items():
+        assert torch.equal(weight, saved[name]), name
+    for name, weight in model.named_parameters():
+        assert torch.allclose(stepped[name], weight.detach(), rtol=0, atol=1e-6), name

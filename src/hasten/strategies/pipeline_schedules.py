@@ -45,8 +45,8 @@ def local_stages(schedule: str, processes: int, num_stages: int, rank: int) -> l
 def check_schedule(schedule: str, processes: int, num_stages: int, microbatches: int) -> None:
     """Refuse a combination torch's ``schedule`` cannot run, before any process communicates.
 
-    Builds the schedule's plan for every process on stand-in stages (no process group needed), so the
-    refusal is the same on every process and arrives at ``prepare``.
+    Builds the schedule on stand-in stages (no process group needed); torch plans every process's actions
+    in it, so the refusal is the same on every process and arrives at ``prepare``.
 
     Raises:
         ConfigurationError: the stages do not divide over the processes as the schedule needs, or
@@ -73,16 +73,15 @@ def check_schedule(schedule: str, processes: int, num_stages: int, microbatches:
     from torch.distributed import pipelining
 
     schedule_class = getattr(pipelining, PP_SCHEDULES[schedule])
-    for rank in range(processes):
-        stages = [_PlanningStage(stage, num_stages, rank, processes)
-                  for stage in local_stages(schedule, processes, num_stages, rank)]
-        try:
-            schedule_class(stages, n_microbatches=microbatches, loss_fn=_no_loss, scale_grads=False)
-        except (ValueError, RuntimeError, AssertionError, KeyError, IndexError) as error:
-            raise ConfigurationError(
-                f"pp_schedule={schedule!r} cannot run pp_microbatches={microbatches} over {num_stages} stages on "
-                f"pp_size={processes} processes: torch's schedule refuses it ({type(error).__name__}: {error}). "
-                f"{_microbatch_hint(schedule, processes, num_stages)}") from error
+    # The schedule plans every process's actions (and checks them together) whichever process builds it.
+    stages = [_PlanningStage(stage, num_stages, 0, processes) for stage in local_stages(schedule, processes, num_stages, 0)]
+    try:
+        schedule_class(stages, n_microbatches=microbatches, loss_fn=_no_loss, scale_grads=False)
+    except (ValueError, RuntimeError, AssertionError, KeyError, IndexError) as error:
+        raise ConfigurationError(
+            f"pp_schedule={schedule!r} cannot run pp_microbatches={microbatches} over {num_stages} stages on "
+            f"pp_size={processes} processes: torch's schedule refuses it ({type(error).__name__}: {error}). "
+            f"{_microbatch_hint(schedule, processes, num_stages)}") from error
 
 
 def _microbatch_hint(schedule: str, processes: int, num_stages: int) -> str:
