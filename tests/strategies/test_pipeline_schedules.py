@@ -263,3 +263,41 @@ def test_a_checkpoint_saved_under_a_v_schedule_resumes_on_one_process(tmp_path):
         assert torch.equal(weight, saved[name]), name
     for name, weight in model.named_parameters():
         assert torch.allclose(stepped[name], weight.detach(), rtol=0, atol=1e-6), name
+
+
+# ------------------------------------------------------------------------------------------ PP x DDP
+def _pp_x_ddp(schedule: str):
+    """pp 2 x dp_replicate 2: each replica reads half of every step's batch; two SGD steps."""
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, dp_replicate_size=2, pp_schedule=schedule, pp_microbatches=2,
+                               pp_split_points=_split_points(4))
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = (torch.cat(parts) for parts in zip(*_batches("mean", 2)))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH // 2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader, loss_fn=_mean_loss)
+    for inputs, labels in loader:
+        accelerator.backward(model(inputs, labels=labels))
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = {name: p.detach().clone() for name, p in accelerator.unwrap_model(model).named_parameters()}
+    return int(accelerator.torch_device_mesh.get_local_rank("dp_replicate")), weights
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "Interleaved1F1B"])
+def test_two_stages_per_process_times_two_replicas_equal_one_process_on_the_whole_batch(schedule):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _batches("mean", 2):
+        _mean_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    by_replica: dict[int, dict[str, torch.Tensor]] = {0: {}, 1: {}}
+    for replica, weights in run_on_ranks(_pp_x_ddp, world_size=4, args=(schedule,), timeout=300, pg_timeout=30):
+        by_replica[replica].update(weights)
+    for weights in by_replica.values():
+        assert sorted(weights) == sorted(name for name, _ in model.named_parameters())
+        for name, weight in model.named_parameters():
+            assert torch.allclose(weights[name], weight.detach(), rtol=0, atol=1e-6), (schedule, name)
