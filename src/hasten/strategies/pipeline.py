@@ -99,6 +99,7 @@ class _PipelineRunner:
                                              self._last_stage_kwargs if index == self.num_stages - 1 else None)
                             for index, module in stage_modules.items()}
         self.user_loss_fn = loss_fn
+        self._loss_takes_items = loss_fn is None or _takes_num_items(loss_fn)
         self.accumulation_steps = accumulation_steps
         self.device = device
         self.schedules: dict[tuple[Any, ...], Any] = {}
@@ -226,7 +227,7 @@ class _PipelineRunner:
         if not training and labels is not None and self.user_loss_fn is None:
             raise ConfigurationError("In evaluation under pp_size > 1, call the model without labels (its output comes "
                                      "back on every process), or give prepare(..., loss_fn=...) to get the loss.")
-        if self._num_items is not None and self.user_loss_fn is not None and not _takes_num_items(self.user_loss_fn):
+        if self._num_items is not None and not self._loss_takes_items:
             raise ConfigurationError(
                 f"The model was called with num_items_in_batch, but loss_fn {getattr(self.user_loss_fn, '__name__', '')!r} "
                 "takes no num_items_in_batch argument: give prepare(..., loss_fn=fn) with fn(output, labels, "
