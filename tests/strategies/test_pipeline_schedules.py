@@ -164,6 +164,13 @@ def test_stages_are_placed_round_robin_or_in_a_v():
     assert [local_stages("ZBVZeroBubble", 4, 8, rank) for rank in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     assert [local_stages("DualPipeV", 2, 4, rank) for rank in range(2)] == [[0, 3], [1, 2]]
     assert [local_stages("1F1B", 4, 4, rank) for rank in range(4)] == [[0], [1], [2], [3]]
+    from hasten import ParallelismConfig
+
+    # stages per process: from the split points when given, else what the schedule needs at least
+    assert ParallelismConfig(pp_size=2, pp_schedule="ZBVZeroBubble").pipeline_stages_per_process == 2
+    assert ParallelismConfig(pp_size=2, pp_schedule="GPipe").pipeline_stages_per_process == 1
+    assert ParallelismConfig(pp_size=2, pp_schedule="LoopedBFS",
+                             pp_split_points=list("abcde")).pipeline_stages_per_process == 3
 
 
 # ------------------------------------------------------------------------------------------ refusals
