@@ -308,3 +308,23 @@ def test_two_stages_per_process_times_two_replicas_equal_one_process_on_the_whol
         assert sorted(weights) == sorted(name for name, _ in model.named_parameters())
         for name, weight in model.named_parameters():
             assert torch.allclose(weights[name], weight.detach(), rtol=0, atol=1e-6), (schedule, name)
+
+
+def _default_microbatches():
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, pp_split_points=_split_points(2))  # pp_microbatches follows pp_size
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*_batches("mean", 1)[0]), batch_size=BATCH)
+    model, loader = accelerator.prepare(_model(), loader, loss_fn=_mean_loss)
+    x, y = next(iter(loader))
+    loss = model(x, labels=y)
+    accelerator.backward(loss)
+    return loss.item()
+
+
+def test_a_data_loader_is_prepared_when_pp_microbatches_is_left_to_follow_pp_size():
+    x, y = _batches("mean", 1)[0]
+    want = _mean_loss(_model()(x), y).item()
+    assert run_on_ranks(_default_microbatches, world_size=2, timeout=200, pg_timeout=30) == pytest.approx([want] * 2,
+                                                                                                        rel=1e-6)
