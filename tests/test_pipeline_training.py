@@ -5,6 +5,7 @@ gradients, losses and weights of a single process running the same model on the 
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -305,7 +306,9 @@ def test_hasten_launch_pp_flags_train_the_script_unchanged(tmp_path):
                            "--parallelism_config_pp_schedule", "GPipe", "--parallelism_config_pp_microbatches", "4",
                            "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank="))
+    # the two workers share the pipe: a line's text and its newline are separate writes that may interleave
+    lines = sorted(re.findall(r"rank=\d+ pp=\S+ schedule=\S+ microbatches=\S+ loss=[-+0-9.e]+?(?=rank=|\s|$)",
+                              done.stdout))
     assert [line.split(" loss=")[0] for line in lines] == [
         f"rank={rank} pp=2 schedule=GPipe microbatches=4" for rank in (0, 1)]
     for line in lines:
