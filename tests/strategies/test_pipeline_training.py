@@ -5,6 +5,7 @@ gradients, losses and weights of a single process running the same model on the 
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -144,8 +145,6 @@ def test_pipeline_fields_come_from_the_launch_block_and_bad_ones_are_refused():
     assert (config.pp_size, config.pp_microbatches, config.pipeline_microbatches) == (4, None, 4)
     with pytest.raises(ConfigurationError, match="pp_microbatches=1 is fewer than pp_size=2"):
         ParallelismConfig(pp_size=2, pp_microbatches=1)
-    with pytest.raises(ConfigurationError, match="several stages per process"):
-        ParallelismConfig(pp_size=2, pp_schedule="Interleaved1F1B")
     ParallelismConfig(pp_size=2, dp_shard_size=2).validate(4)  # PP x FSDP2 (tests/strategies/test_pipeline_composition)
     ParallelismConfig(pp_size=2, tp_size=2).validate(4)  # PP x TP (tests/strategies/test_pipeline_composition)
     with pytest.raises(ConfigurationError, match="not with context parallelism"):
@@ -307,7 +306,9 @@ def test_hasten_launch_pp_flags_train_the_script_unchanged(tmp_path):
                            "--parallelism_config_pp_schedule", "GPipe", "--parallelism_config_pp_microbatches", "4",
                            "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank="))
+    # the two workers share the pipe: a line's text and its newline are separate writes that may interleave
+    lines = sorted(re.findall(r"rank=\d+ pp=\S+ schedule=\S+ microbatches=\S+ loss=[-+0-9.e]+?(?=rank=|\s|$)",
+                              done.stdout))
     assert [line.split(" loss=")[0] for line in lines] == [
         f"rank={rank} pp=2 schedule=GPipe microbatches=4" for rank in (0, 1)]
     for line in lines:

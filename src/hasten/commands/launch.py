@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hasten._lazy import accelerate_path_getattr
+from hasten.config.parallelism import PP_SCHEDULES
 from hasten.config.schema import DEEPSPEED_KEYS, FSDP_KEYS
 from hasten.launchers.plan import ELASTIC_RESTARTS
 
@@ -93,8 +94,9 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
         ("cp_size", None, "N-D parallelism: context-parallel degree (CUDA only)."),
         ("cp_backend", ["torch"], "Context-parallel backend."),
         ("cp_comm_strategy", ["allgather", "alltoall"], "How context parallel exchanges keys/values."),
-        ("pp_size", None, "Pipeline parallelism: stages, one per process (hasten)."),
-        ("pp_schedule", ["GPipe", "1F1B"], "Pipeline schedule (hasten)."),
+        ("pp_size", None, "Pipeline parallelism: processes in each pipeline (hasten)."),
+        ("pp_schedule", list(PP_SCHEDULES), "Pipeline schedule (hasten); the interleaved and V ones run several "
+         "stages per process."),
         ("pp_microbatches", None, "Pipeline micro-batches per batch, at least pp_size (hasten)."),
         ("pp_split_points", None, "Pipeline split points: comma-separated module names (hasten)."),
         ("sp_size", None, "DeepSpeed-Ulysses sequence parallelism (refused above 1: not available)."),

@@ -36,10 +36,14 @@ _SIZE_FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_
 #: What the launch may fill in where the caller gave None.
 _FILLABLE = (*_SIZE_FIELDS, "cp_backend", "sp_backend", "tp_handler", "cp_handler", "pp_schedule", "pp_microbatches",
              "pp_split_points")
-#: Pipeline schedules with one stage per process (torch.distributed.pipelining's class for each name).
-PP_SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B"}
-#: torch's schedules that run several stages per process: not available yet (refused with this reason).
-_PP_MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: Pipeline schedules (torch.distributed.pipelining's class for each name).
+PP_SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
+                "LoopedBFS": "ScheduleLoopedBFS", "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+                "ZBVZeroBubble": "ScheduleZBVZeroBubble", "DualPipeV": "ScheduleDualPipeV"}
+#: The schedules that run several stages per process, and how they place stages on processes: "loop"
+#: (process r holds stages r, r + pp_size, ...) or "v" (process r holds r and 2 * pp_size - 1 - r).
+PP_MULTI_STAGE = {"Interleaved1F1B": "loop", "LoopedBFS": "loop", "InterleavedZeroBubble": "loop",
+                  "ZBVZeroBubble": "v", "DualPipeV": "v"}
 
 
 @dataclass
@@ -113,11 +117,14 @@ class ParallelismConfig:
         tp_handler: :class:`TorchTensorParallelConfig` (hasten adds its ``tp_plan``).
         cp_handler: :class:`TorchContextParallelConfig`.
         sp_handler: kept for compatibility (``sp_size`` is refused above 1).
-        pp_size: pipeline stages (hasten; one stage per process). Composes with ``dp_replicate_size``,
-            ``dp_shard_size`` (each stage sharded with FSDP2) and ``tp_size`` (on each stage's modules).
-        pp_schedule: ``"GPipe"`` or ``"1F1B"`` (default); the multi-stage schedules are refused for now.
+        pp_size: pipeline processes (hasten). Composes with ``dp_replicate_size``, ``dp_shard_size`` (each
+            stage sharded with FSDP2) and ``tp_size`` (on each stage's modules).
+        pp_schedule: ``"GPipe"``, ``"1F1B"`` (default), or a schedule with several stages per process:
+            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"`` (stages placed round-robin),
+            ``"ZBVZeroBubble"``, ``"DualPipeV"`` (two stages per process, placed in a V).
         pp_microbatches: micro-batches per batch (default ``pp_size``; at least ``pp_size``).
-        pp_split_points: module names where stages 1..pp_size-1 begin (``pp_size - 1`` of them).
+        pp_split_points: module names where stages 1.. begin: ``pp_size - 1`` of them for one stage per
+            process, ``pp_size * k - 1`` for ``k`` stages per process.
 
     Example:
         >>> config = ParallelismConfig(dp_shard_size=2, tp_size=2)
@@ -176,9 +183,6 @@ class ParallelismConfig:
         """Normalise and check the pipeline fields (``pp_size`` is already a checked integer)."""
         schedule = self.pp_schedule or "1F1B"
         schedule = schedule.removeprefix("Schedule") if schedule.removeprefix("Schedule") in PP_SCHEDULES else schedule
-        if schedule in _PP_MULTI_STAGE or schedule.removeprefix("Schedule") in _PP_MULTI_STAGE:
-            raise ConfigurationError(f"pp_schedule={self.pp_schedule!r} runs several stages per process, which hasten's "
-                                     f"pipeline does not do yet; use one of {sorted(PP_SCHEDULES)}.")
         if schedule not in PP_SCHEDULES:
             raise ConfigurationError(f"pp_schedule={self.pp_schedule!r} is not a pipeline schedule: use one of "
                                      f"{sorted(PP_SCHEDULES)}.")
@@ -247,6 +251,14 @@ class ParallelismConfig:
     def pipeline_microbatches(self) -> int:
         """Micro-batches per batch under pipeline parallelism: ``pp_microbatches``, else ``pp_size``."""
         return int(self.pp_microbatches if self.pp_microbatches is not None else self.pp_size)  # type: ignore[arg-type]
+
+    @property
+    def pipeline_stages_per_process(self) -> int:
+        """Pipeline stages each process holds: from the split points when given, else 2 for the schedules that
+        run several stages per process and 1 for GPipe and 1F1B."""
+        if self.pp_split_points is not None:
+            return max(1, (len(self.pp_split_points) + 1) // int(self.pp_size))  # type: ignore[arg-type]
+        return 2 if self.pp_schedule in PP_MULTI_STAGE else 1
 
     @property
     def pp_enabled(self) -> bool:
@@ -496,5 +508,5 @@ def _is_parallel_style(style: Any) -> bool:
     return isinstance(style, ParallelStyle)
 
 
-__all__ = ["MESH_ORDER", "PP_SCHEDULES", "ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
-           "parallelism_config_from_launch", "resolve_parallelism_config"]
+__all__ = ["MESH_ORDER", "PP_MULTI_STAGE", "PP_SCHEDULES", "ParallelismConfig", "TorchContextParallelConfig",
+           "TorchTensorParallelConfig", "parallelism_config_from_launch", "resolve_parallelism_config"]

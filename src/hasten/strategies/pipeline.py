@@ -8,11 +8,16 @@
     accelerator.backward(loss)            # checks the loss came from the pipeline; nothing else
     optimizer.step(); optimizer.zero_grad()
 
+Schedules with several stages per process (interleaved, looped, zero-bubble, V-shaped) cut the
+process's model into views that share its modules: :mod:`hasten.strategies.pipeline_schedules`.
+
 Numerics: each micro-batch's loss is divided by ``M`` (and by the accumulation steps) before its
 backward and the schedule's own scaling is off (``scale_grads=False``), so the gradients are those of
 the mean of the micro-batch losses, as a single process computes them for a mean loss over equal
-micro-batches. The returned loss is that mean (unscaled by accumulation), sent from the last stage to
-every stage (one broadcast of one number per step).
+micro-batches. A call with ``num_items_in_batch=n`` (transformers' convention for a loss summed over
+tokens and divided by the batch's count) passes ``n`` to the loss and does not divide by ``M``. The
+returned loss (unscaled by accumulation) is sent from the last stage to every stage (one broadcast of
+one number per step).
 
 With ``dp_replicate_size=R`` as well (PP x DDP, mesh ``(pp, dp_replicate)``), each replica reads its own
 share of the data, and a synchronising micro-step averages each stage's gradients over its replicas in
@@ -32,7 +37,7 @@ from torch import nn
 
 from hasten.checkpointing import dcp as sharded, files as ckpt, restore_checks as checks
 from hasten.checkpointing.sinks import Sink
-from hasten.config.parallelism import PP_SCHEDULES, ParallelismConfig
+from hasten.config.parallelism import PP_MULTI_STAGE, PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
 from hasten.strategies import pipeline_hf
@@ -49,6 +54,14 @@ from hasten.strategies.pipeline_checkpoint import (
     stage_optimizer_state,
 )
 from hasten.strategies.pipeline_nd import full_value, local_part, shard_stage, shards_stages
+from hasten.strategies.pipeline_schedules import (
+    StageCall,
+    check_schedule,
+    cut_stages,
+    forward_through_stages,
+    local_stages,
+    stage_ranks,
+)
 from hasten.strategies.pipeline_split import cut_stage
 
 #: ``CheckedState.models`` of a DCP checkpoint: :meth:`PipelineStrategy.load` reads the shards itself.
@@ -75,28 +88,36 @@ class PipelinedModel(nn.Module):
 
 
 class _PipelineRunner:
-    """One stage's schedules and the step around them: micro-batch losses, the loss on every process.
+    """This process's stages, their schedules and the step around them: micro-batch losses, the loss on
+    every process.
 
     torch's stage learns the shapes it exchanges from its first micro-batch and keeps them, so each
     distinct set of input shapes (a smaller last batch, another sequence length, evaluation) gets its
-    own stage and schedule over the same module, built at the first call that has those shapes. Every
+    own stages and schedule over the same modules, built at the first call that has those shapes. Every
     process holds the batch, so all of them pick the same one without a collective.
     """
 
-    def __init__(self, stage_module: nn.Module, config: ParallelismConfig, mesh: Any, device: torch.device,
-                 loss_fn: Callable[..., Any] | None, accumulation_steps: int) -> None:
-        from torch.distributed import pipelining
-
+    def __init__(self, module: nn.Module, stage_modules: dict[int, nn.Module], config: ParallelismConfig, mesh: Any,
+                 device: torch.device, loss_fn: Callable[..., Any] | None, accumulation_steps: int) -> None:
         self.pp_size, self.microbatches = int(config.pp_size), config.pipeline_microbatches  # type: ignore[arg-type]
-        self.module = stage_module
+        self.schedule_name = str(config.pp_schedule)
+        self.module = module
+        self.stage_modules = stage_modules
+        self.num_stages = self.pp_size * len(stage_modules)
         self.group = mesh["pp"].get_group()
-        self.stage_index = int(mesh.get_local_rank("pp"))
-        self.last_rank = dist.get_global_rank(self.group, self.pp_size - 1)
+        self.owners = stage_ranks(self.schedule_name, self.pp_size, self.num_stages)
+        self.last_rank = dist.get_global_rank(self.group, self.owners[self.num_stages - 1])
+        #: What torch's stages call: each stage's module given only its own inputs.
+        self.stage_calls = {index: StageCall(module, index == 0,
+                                             self._last_stage_kwargs if index == self.num_stages - 1 else None)
+                            for index, module in stage_modules.items()}
         self.user_loss_fn = loss_fn
+        self._loss_takes_items = loss_fn is None or _takes_num_items(loss_fn)
         self.accumulation_steps = accumulation_steps
         self.device = device
-        self.schedule_class = getattr(pipelining, PP_SCHEDULES[str(config.pp_schedule)])
         self.schedules: dict[tuple[Any, ...], Any] = {}
+        #: ``num_items_in_batch`` of the step in progress (``None``: each micro-batch's loss is a mean).
+        self._num_items: Any = None
         #: The loss the last step returned (what ``accelerator.backward`` accepts).
         self.last_loss: torch.Tensor | None = None
         #: Called with that loss in ``accelerator.backward`` (transformers models: loss scale, tied weights).
@@ -106,16 +127,36 @@ class _PipelineRunner:
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        """This process holds the pipeline's first stage (it reads the model's inputs)."""
+        return 0 in self.stage_modules
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.pp_size - 1
+        """This process holds the last stage (it computes the loss)."""
+        return self.num_stages - 1 in self.stage_modules
 
     def _micro_batch_loss(self, output: Any, target: Any) -> torch.Tensor:
-        """The loss the schedule backpropagates for one micro-batch: its share of the window's mean."""
-        raw = self.user_loss_fn(output, target) if self.user_loss_fn is not None else _own_loss(output)
-        return raw / (self.microbatches * self.accumulation_steps)
+        """The loss the schedule backpropagates for one micro-batch: its share of the window's loss.
+
+        A mean loss is divided by the micro-batches and the accumulation steps (the window's mean); a loss
+        already normalised by ``num_items_in_batch`` (the whole batch's count) only by the accumulation
+        steps, as ``accelerator.backward`` divides any loss.
+        """
+        if self.user_loss_fn is None:
+            raw = _own_loss(output)
+        elif self._num_items is None:
+            raw = self.user_loss_fn(output, target)
+        else:
+            raw = self.user_loss_fn(output, target, num_items_in_batch=self._num_items)
+        shares = self.accumulation_steps * (1 if self._num_items is not None else self.microbatches)
+        return raw / shares  # type: ignore[no-any-return]
+
+    def _last_stage_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The last stage's keyword arguments: the labels (and the item count) when the model computes its loss."""
+        if self.user_loss_fn is not None or "labels" not in kwargs:
+            return {}
+        extra = {} if self._num_items is None else {"num_items_in_batch": self._num_items}
+        return {"labels": kwargs["labels"], **extra}
 
     def _schedule(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> Any:
         """The schedule for these input shapes (training: with the loss and backward; else forward only)."""
@@ -123,32 +164,42 @@ class _PipelineRunner:
 
         key = (training, *_shapes(args), *_shapes(kwargs), *_shapes(labels))
         if key not in self.schedules:
-            stage = pipelining.PipelineStage(self.module, self.stage_index, self.pp_size, self.device, group=self.group)
-            if training:
-                self.schedules[key] = self.schedule_class(stage, n_microbatches=self.microbatches,
-                                                          loss_fn=self._micro_batch_loss, scale_grads=False)
+            stages = [pipelining.PipelineStage(call, index, self.num_stages, self.device, group=self.group)
+                      for index, call in self.stage_calls.items()]
+            schedule_class = getattr(pipelining, PP_SCHEDULES[self.schedule_name])
+            if self.schedule_name in PP_MULTI_STAGE:
+                # (evaluation walks the stages itself: forward_through_stages)
+                self.schedules[key] = schedule_class(stages, n_microbatches=self.microbatches,
+                                                     loss_fn=self._micro_batch_loss, scale_grads=False)
+            elif training:
+                self.schedules[key] = schedule_class(stages[0], n_microbatches=self.microbatches,
+                                                     loss_fn=self._micro_batch_loss, scale_grads=False)
             else:
-                self.schedules[key] = pipelining.ScheduleGPipe(stage, n_microbatches=self.microbatches)
+                self.schedules[key] = pipelining.ScheduleGPipe(stages[0], n_microbatches=self.microbatches)
         return self.schedules[key]
 
     def step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-        """Forward and backward of one batch through every stage; the batch's mean loss on every process.
+        """Forward and backward of one batch through every stage; the batch's loss on every process.
 
-        In evaluation (``model.eval()`` or ``torch.no_grad()``): forward only, returning the last stage's
-        output on every process, or ``loss_fn(output, labels)`` when labels are given.
+        The loss is the mean of the micro-batches' losses, or, when the call carries
+        ``num_items_in_batch`` (transformers' convention), the sum of the micro-batches' losses, each
+        already divided by that count. In evaluation (``model.eval()`` or ``torch.no_grad()``): forward
+        only, returning the last stage's output on every process, or ``loss_fn(output, labels)`` when
+        labels are given.
         """
         labels = kwargs.pop("labels", None)
+        self._num_items = kwargs.pop("num_items_in_batch", None)
         training = torch.is_grad_enabled() and module.training
         batch_size = self._check_call(training, args, kwargs, labels)
-        schedule = self._schedule(training, args, kwargs, labels)
         if not training:
-            return self._evaluate(schedule, args, kwargs, labels)
+            return self._evaluate(args, kwargs, labels)
+        schedule = self._schedule(training, args, kwargs, labels)
         step_args, step_kwargs, target = (), {}, None
         if self.is_first:
             step_args, step_kwargs = args, kwargs
         if self.is_last:
             if self.user_loss_fn is None:  # the model's own loss: the last stage's forward gets the labels
-                step_kwargs = {"labels": labels}
+                step_kwargs = {**step_kwargs, "labels": labels}
                 target = torch.zeros(batch_size, device=self.device)
             else:
                 target = labels
@@ -162,12 +213,17 @@ class _PipelineRunner:
         self.last_loss = loss
         return loss
 
-    def _evaluate(self, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> torch.Tensor:
+    def _evaluate(self, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> torch.Tensor:
         """Forward only; the output (or ``loss_fn(output, labels)``) sent from the last stage to every stage."""
         with torch.no_grad():
-            output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
+            if self.schedule_name in PP_MULTI_STAGE:
+                output = forward_through_stages(self.stage_calls, self.owners, self.group, self.device, args, kwargs)
+            else:
+                schedule = self._schedule(False, args, kwargs, labels)
+                output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
             if self.is_last and labels is not None:
-                output = self.user_loss_fn(output, labels)  # type: ignore[misc]
+                extra = {} if self._num_items is None else {"num_items_in_batch": self._num_items}
+                output = self.user_loss_fn(output, labels, **extra)  # type: ignore[misc]
         # The shape and dtype first (the other stages have not seen the output), or why it cannot be sent.
         meta: list[Any] = [None]
         if self.is_last:
@@ -188,6 +244,12 @@ class _PipelineRunner:
         if not training and labels is not None and self.user_loss_fn is None:
             raise ConfigurationError("In evaluation under pp_size > 1, call the model without labels (its output comes "
                                      "back on every process), or give prepare(..., loss_fn=...) to get the loss.")
+        if self._num_items is not None and not self._loss_takes_items:
+            raise ConfigurationError(
+                f"The model was called with num_items_in_batch, but loss_fn {getattr(self.user_loss_fn, '__name__', '')!r} "
+                "takes no num_items_in_batch argument: give prepare(..., loss_fn=fn) with fn(output, labels, "
+                "num_items_in_batch) returning the sum over the items divided by num_items_in_batch, or call the "
+                "model without it for a mean loss.")
         if training and labels is None:
             raise ConfigurationError("Under pp_size > 1 call the prepared model with labels: model(inputs, "
                                      "labels=labels); the last stage computes the loss from them (with prepare(..., "
@@ -209,6 +271,17 @@ def _shapes(data: Any) -> tuple[Any, ...]:
     if isinstance(data, (list, tuple)):
         return tuple(item for value in data for item in _shapes(value))
     return ()
+
+
+def _takes_num_items(loss_fn: Callable[..., Any]) -> bool:
+    """``loss_fn`` accepts ``num_items_in_batch=`` (by name or through ``**kwargs``)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return True
+    return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _own_loss(output: Any) -> torch.Tensor:
@@ -256,7 +329,8 @@ class PipelineStrategy(Strategy):
         self._full_keys: set[str] = set()
 
     def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
-        """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows)."""
+        """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows),
+        or ``loss_fn(output, labels, num_items_in_batch=n)`` when the model is called with that count."""
         self._loss_fn = loss_fn
 
     def observe_prepare_call(self, objects: Sequence[Any], *, split_batches: bool = False) -> None:
@@ -264,7 +338,7 @@ class PipelineStrategy(Strategy):
         for obj in objects:
             batch_size = getattr(obj, "batch_size", None) if isinstance(obj, torch.utils.data.DataLoader) else None
             if isinstance(batch_size, int):
-                check_divisible(batch_size, int(self.config.pp_microbatches))  # type: ignore[arg-type]
+                check_divisible(batch_size, self.config.pipeline_microbatches)
 
     def prepare(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
                 device_placement: Sequence[bool], evaluation_mode: bool = False,
@@ -279,7 +353,8 @@ class PipelineStrategy(Strategy):
         if self.config.pp_split_points is None and not transformers_model:
             raise ConfigurationError(
                 f"pp_size={stages} but {type(models[0]).__name__} has no split points: pass ParallelismConfig("
-                f"pp_size={stages}, pp_split_points=[...]) with the {stages - 1} module names where stages 1.. begin "
+                f"pp_size={stages}, pp_split_points=[...]) with the "
+                f"{stages * self.config.pipeline_stages_per_process - 1} module names where stages 1.. begin "
                 "(names from model.named_modules()).")
         # What checkpoints need from before the cut: the full model's keys and each optimizer's names.
         self._full_keys = set(models[0].state_dict())
@@ -288,17 +363,13 @@ class PipelineStrategy(Strategy):
                 self._layouts[id(optimizer)] = optimizer_layout(models[0], optimizer)
             except CheckpointError as error:  # raised if it is ever saved: training needs no names
                 self._layouts[id(optimizer)] = str(error)
-        stage_index = int(self.device_mesh.get_local_rank("pp"))
-        points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
-        stage_module: nn.Module
         hf_stage: pipeline_hf.TransformersStage | None = None
         if transformers_model:
-            model, hf_stage, tied = pipeline_hf.cut_transformers_stage(models[0], points, stage_index, stages)
-            stage_module = hf_stage
+            model, stage_modules, hf_stage, tied = self._cut_transformers(models[0])
         else:
-            model = stage_module = cut_stage(models[0], points or [], stage_index, stages)
+            model, stage_modules = self._cut(models[0])
         if device_placement[0]:
-            model = model.to(self.device)
+            model = model.to(self.device)  # in place: the stages' views share its modules
         self.apply_precision(model)
         kept = {id(p) for p in model.parameters()}
         for optimizer in optimizers:
@@ -313,15 +384,45 @@ class PipelineStrategy(Strategy):
                 "tie_word_embeddings=False, or use dp_replicate_size for the data-parallel dimension.")
         if shards_stages(self.config):  # PP x FSDP2: the stage sharded over its dp_shard sub-mesh, in place
             model = shard_stage(model, self.config, self.device_mesh, optimizers)
-            if hf_stage is None:
-                stage_module = model
-        runner = _PipelineRunner(stage_module, self.config, self.device_mesh, self.device, self._loss_fn,
+        runner = _PipelineRunner(model, stage_modules, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
         if hf_stage is not None:
             call = pipeline_hf.TransformersPipelineCall(model, hf_stage, runner, self._pp_group(), tied)
             return [PipelinedModel(model, runner, call)], optimizers
         return [PipelinedModel(model, runner)], optimizers
+
+    def _cut_transformers(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module], Any, Any]:
+        """Cut a transformers model by its plan into this process's one stage (the single-stage schedules)."""
+        processes, rank = int(self.config.pp_size), int(self.device_mesh.get_local_rank("pp"))  # type: ignore[arg-type]
+        schedule = str(self.config.pp_schedule)
+        if schedule in PP_MULTI_STAGE:
+            raise ConfigurationError(
+                f"pp_schedule={schedule!r} places several stages on each process, which a model cut by its "
+                f"transformers plan ({type(model).__name__}) does not support yet: use pp_schedule='1F1B' or 'GPipe'.")
+        check_schedule(schedule, processes, processes, self.config.pipeline_microbatches)
+        points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
+        cut, hf_stage, tied = pipeline_hf.cut_transformers_stage(model, points, rank, processes)
+        return cut, {rank: hf_stage}, hf_stage, tied
+
+    def _cut(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module]]:
+        """Check the schedule can run, then cut ``model`` (in place) into this process's stages.
+
+        Returns:
+            the process's model (its stages' modules, full-model names) and each of its stages' module.
+        """
+        processes, rank = int(self.config.pp_size), int(self.device_mesh.get_local_rank("pp"))  # type: ignore[arg-type]
+        points, schedule = list(self.config.pp_split_points or ()), str(self.config.pp_schedule)
+        num_stages = len(points) + 1
+        check_schedule(schedule, processes, num_stages, self.config.pipeline_microbatches)
+        if schedule not in PP_MULTI_STAGE:
+            return cut_stage(model, points, rank, processes), {rank: model}
+        if shards_stages(self.config):
+            raise ConfigurationError(
+                f"pp_schedule={schedule!r} places several stages on each process, which does not compose with "
+                "dp_shard_size/tp_size yet: use pp_schedule='1F1B' or 'GPipe' there, or dp_replicate_size.")
+        stage_modules = cut_stages(model, points, local_stages(schedule, processes, num_stages, rank), num_stages)
+        return model, stage_modules
 
     def compile(self, model: nn.Module, backend: str, options: dict[str, Any]) -> nn.Module:
         """Refused: the prepared model's call runs a whole pipeline schedule (communication and backward),

@@ -1,0 +1,205 @@
+"""Which pipeline stages a process holds, the module each stage runs, and the schedule over them.
+
+GPipe and 1F1B run one stage per process. Interleaved1F1B, LoopedBFS and InterleavedZeroBubble run
+``k`` stages per process placed round-robin (process ``r`` holds stages ``r, r + P, r + 2P, ...``);
+ZBVZeroBubble and DualPipeV run exactly two, placed in a V (process ``r`` holds ``r`` and
+``2P - 1 - r``, so process 0 holds the first and the last stage). The placement is torch's own
+(``generate_stage_to_rank_mapping``), which the schedules assume.
+
+With several stages per process, the process's model holds the modules of all its stages (the others
+are :class:`~hasten.strategies.pipeline_split.SkippedModule`), and each stage runs a *view* of it: a
+copy of the shared containers whose children are that stage's modules (the same module objects, so
+the parameters and the optimizer's references are shared) and no-ops for the rest.
+
+Whether torch's schedule can run a combination (micro-batches, stages, placement) is decided before
+any communication: :func:`check_schedule` builds the schedule's plan for every process, as each
+process would at its first step, and turns torch's refusal into one :class:`ConfigurationError`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hasten.config.parallelism import PP_MULTI_STAGE, PP_SCHEDULES
+from hasten.exceptions import ConfigurationError
+from hasten.strategies.pipeline_split import SkippedModule, stage_units
+
+
+def stage_ranks(schedule: str, processes: int, num_stages: int) -> dict[int, int]:
+    """Each stage's process (its rank in the pipeline group) under ``schedule``'s placement."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    return dict(generate_stage_to_rank_mapping(processes, num_stages, style=PP_MULTI_STAGE.get(schedule, "loop")))
+
+
+def local_stages(schedule: str, processes: int, num_stages: int, rank: int) -> list[int]:
+    """The stages process ``rank`` holds, in pipeline order."""
+    return [stage for stage, owner in sorted(stage_ranks(schedule, processes, num_stages).items()) if owner == rank]
+
+
+def check_schedule(schedule: str, processes: int, num_stages: int, microbatches: int) -> None:
+    """Refuse a combination torch's ``schedule`` cannot run, before any process communicates.
+
+    Builds the schedule on stand-in stages (no process group needed); torch plans every process's actions
+    in it, so the refusal is the same on every process and arrives at ``prepare``.
+
+    Raises:
+        ConfigurationError: the stages do not divide over the processes as the schedule needs, or
+            torch's schedule refuses (or cannot plan) this number of micro-batches.
+    """
+    multi, points = schedule in PP_MULTI_STAGE, num_stages - 1
+    if not multi and num_stages != processes:
+        raise ConfigurationError(
+            f"pp_schedule={schedule!r} runs one stage per process: pp_size={processes} needs {processes - 1} split "
+            f"points, got {points}. For several stages per process use one of {sorted(PP_MULTI_STAGE)}.")
+    if PP_MULTI_STAGE.get(schedule) == "v" and num_stages != 2 * processes:
+        raise ConfigurationError(
+            f"pp_schedule={schedule!r} places exactly two stages per process (in a V): pp_size={processes} needs "
+            f"{2 * processes - 1} split points, got {points}.")
+    if num_stages % processes:
+        raise ConfigurationError(
+            f"{points} pp split points make {num_stages} stages, which do not divide evenly over pp_size={processes} "
+            f"processes: give pp_size * k - 1 split points for k stages per process (e.g. {2 * processes - 1}).")
+    if microbatches < processes:
+        raise ConfigurationError(f"pp_microbatches={microbatches} is fewer than pp_size={processes}: every process "
+                                 f"needs a micro-batch in flight. Use pp_microbatches >= {processes}.")
+    if not multi:
+        return
+    from torch.distributed import pipelining
+
+    schedule_class = getattr(pipelining, PP_SCHEDULES[schedule])
+    # The schedule plans every process's actions (and checks them together) whichever process builds it.
+    stages = [_PlanningStage(stage, num_stages, 0, processes) for stage in local_stages(schedule, processes, num_stages, 0)]
+    try:
+        schedule_class(stages, n_microbatches=microbatches, loss_fn=_no_loss, scale_grads=False)
+    except (ValueError, RuntimeError, AssertionError, KeyError, IndexError) as error:
+        raise ConfigurationError(
+            f"pp_schedule={schedule!r} cannot run pp_microbatches={microbatches} over {num_stages} stages on "
+            f"pp_size={processes} processes: torch's schedule refuses it ({type(error).__name__}: {error}). "
+            f"{_microbatch_hint(schedule, processes, num_stages)}") from error
+
+
+def _microbatch_hint(schedule: str, processes: int, num_stages: int) -> str:
+    if schedule == "DualPipeV":
+        return f"DualPipeV needs pp_microbatches >= {num_stages} (the number of stages)."
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return (f"Use a multiple of pp_size={processes} micro-batches (they run in rounds of {processes}), "
+                f"e.g. {processes} or {2 * processes}.")
+    return f"Try pp_microbatches = {2 * processes}."
+
+
+def _no_loss(output: Any, target: Any) -> torch.Tensor:  # pragma: no cover - a stand-in never called
+    raise AssertionError("the planning schedule never runs")
+
+
+class _PlanningStage:
+    """What a torch schedule reads from its stages while it plans (no module, no process group)."""
+
+    def __init__(self, stage_index: int, num_stages: int, rank: int, processes: int) -> None:
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.group_rank, self.group_size = rank, processes
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.submod = nn.Module()
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+# ----------------------------------------------------------------------------------- the stages' modules
+def cut_stages(model: nn.Module, split_points: list[str], kept: list[int], num_stages: int) -> dict[int, nn.Module]:
+    """Make ``model`` (in place) hold only the modules of stages ``kept``; return each kept stage's view.
+
+    Returns:
+        ``{stage: module}``: a module that runs only that stage's modules (names as in the full model),
+        sharing ``model``'s modules and parameters.
+    """
+    units = stage_units(model, split_points, num_stages)
+    for name, stage in units:
+        if stage not in kept:
+            _replace(model, name, SkippedModule(name))
+    containers = {name.rpartition(".")[0] for name, _ in units}
+    ancestors = {".".join(part.split(".")[:i]) for part in containers for i in range(part.count(".") + 2)} | {""}
+    owner = dict(units)
+    return {stage: _view(model, "", ancestors, owner, stage) for stage in kept}
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    model.get_submodule(parent).register_module(child, module)
+
+
+def _view(module: nn.Module, prefix: str, ancestors: set[str], owner: dict[str, int], stage: int) -> nn.Module:
+    """A shallow copy of the container ``module`` whose children are ``stage``'s modules or no-ops."""
+    view = copy.copy(module)
+    view._modules = {}  # the copy shares everything but its children
+    for child_name, child in module._modules.items():
+        name = f"{prefix}{child_name}"
+        if name in ancestors and name not in owner:
+            view._modules[child_name] = _view(child, f"{name}.", ancestors, owner, stage)  # type: ignore[arg-type]
+        elif owner.get(name) == stage:
+            view._modules[child_name] = child
+        else:
+            view._modules[child_name] = SkippedModule(name)
+    return view
+
+
+class StageCall(nn.Module):
+    """One stage's module as torch's stage calls it: the inputs it should see, and no others.
+
+    torch hands the step's keyword arguments to every stage; the model's own inputs belong to the first
+    stage, and the labels (for a model that computes its own loss) to the last.
+
+    Args:
+        module: the stage's module (a view of the process's model).
+        first: this is the pipeline's first stage.
+        last_kwargs: on the last stage, the keyword arguments its forward gets (``None``: not the last).
+    """
+
+    def __init__(self, module: nn.Module, first: bool, last_kwargs: Callable[[dict[str, Any]], dict[str, Any]] | None):
+        super().__init__()
+        self.module = module
+        self.first = first
+        self.last_kwargs = last_kwargs
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        step_kwargs = {key: value for key, value in kwargs.items() if key != "labels"} if self.first else {}
+        if self.last_kwargs is not None:
+            step_kwargs.update(self.last_kwargs(kwargs))
+        return self.module(*args, **step_kwargs)
+
+
+def forward_through_stages(stage_calls: Mapping[int, nn.Module], owners: Mapping[int, int], group: Any,
+                           device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Forward only, the whole batch through the stages in order (evaluation with several stages per process).
+
+    torch's V-placed schedules cannot run forward alone, so evaluation walks the stages: each stage's
+    output goes to the next stage's process (its shape and dtype first), or stays here when that
+    process is this one.
+
+    Returns:
+        the last stage's output on the process that holds it; ``None`` elsewhere.
+    """
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    hidden: Any = None
+    for stage in range(len(owners)):
+        if owners[stage] != me:
+            continue
+        if stage > 0 and owners[stage - 1] != me:
+            meta: list[Any] = [None]
+            dist.recv_object_list(meta, src=dist.get_global_rank(group, owners[stage - 1]), group=group)
+            hidden = torch.empty(meta[0][0], dtype=meta[0][1], device=device)
+            dist.recv(hidden, src=dist.get_global_rank(group, owners[stage - 1]), group=group)
+        hidden = stage_calls[stage](*args, **kwargs) if stage == 0 else stage_calls[stage](hidden, **kwargs)
+        if stage + 1 < len(owners) and owners[stage + 1] != me:
+            peer = dist.get_global_rank(group, owners[stage + 1])
+            dist.send_object_list([(tuple(hidden.shape), hidden.dtype)], dst=peer, group=group)
+            dist.send(hidden.contiguous(), dst=peer, group=group)
+    return hidden if owners[len(owners) - 1] == me else None
+
+
+__all__ = ["StageCall", "check_schedule", "cut_stages", "forward_through_stages", "local_stages", "stage_ranks"]
