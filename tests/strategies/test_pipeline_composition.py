@@ -211,6 +211,26 @@ def test_a_tp_pattern_matching_no_module_of_any_stage_is_refused_on_every_proces
         assert "tp_plan patterns ['9'] match no module of Sequential on any pipeline stage" in message
 
 
+
+def _interleaved_over_shards() -> str:
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_schedule="Interleaved1F1B", pp_microbatches=2,
+                               pp_split_points=["1", "2", "4"])
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    try:
+        accelerator.prepare(_model(), loss_fn=F.mse_loss)
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_several_stages_per_process_with_sharded_stages_are_refused_at_prepare():
+    for message in run_on_ranks(_interleaved_over_shards, world_size=4):
+        assert message.startswith("ConfigurationError: pp_schedule='Interleaved1F1B' places several stages"), message
+        assert "dp_shard_size/tp_size" in message
+
+
 # ---------------------------------------------------------------------------------------- checkpoints
 CKPT_STEPS, SAVE_AFTER = 6, 2  # save mid-epoch, after the third batch of six
 
