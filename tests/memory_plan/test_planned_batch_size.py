@@ -1,0 +1,60 @@
+"""``find_executable_batch_size(..., plan=...)``: the first size tried is the memory plan's largest fitting
+batch size; a real out-of-memory error still reduces it as without a plan.
+
+Ground truth: ``plan_largest_batch_size`` with the same plan (itself checked against brute force in
+test_memory_plan), and the decorator's own reduction rule (``int(size * 0.9)``, as Accelerate's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hasten.memory_plan import PlanError, plan_largest_batch_size, plan_memory
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _plan() -> dict:
+    budget = plan_memory(_Net, batch_size=100, input_shape=(128,), device_type="cpu").peak_bytes
+    return {"model": _Net, "budget": budget, "input_shape": (128,), "device_type": "cpu"}
+
+
+def test_starts_at_the_plans_largest_fitting_batch_size_and_still_reduces_on_oom():
+    from hasten import find_executable_batch_size
+
+    plan = _plan()
+    expected = plan_largest_batch_size(_Net, plan["budget"], batch_size=4096, input_shape=(128,), device_type="cpu")
+    assert 100 <= expected < 4096
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=4096, plan=plan)
+    def train(batch_size):
+        tried.append(batch_size)
+        if len(tried) == 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch_size
+
+    assert train() == int(expected * 0.9)
+    assert tried == [expected, int(expected * 0.9)]
+    assert train() == int(expected * 0.9) and len(tried) == 3  # later calls keep the size that worked, no replan
+
+
+def test_the_plan_never_starts_above_starting_batch_size_and_needs_model_and_budget():
+    from hasten import find_executable_batch_size
+
+    tried = []
+    find_executable_batch_size(lambda batch_size: tried.append(batch_size), starting_batch_size=8, plan=_plan())()
+    assert tried == [8]
+    with pytest.raises(PlanError, match="budget"):
+        find_executable_batch_size(lambda batch_size: None, plan={"model": _Net})()
+    with pytest.raises(RuntimeError, match="not even a batch of one"):
+        find_executable_batch_size(lambda batch_size: None, plan={**_plan(), "budget": 1024})()
