@@ -58,3 +58,26 @@ def test_the_plan_never_starts_above_starting_batch_size_and_needs_model_and_bud
         find_executable_batch_size(lambda batch_size: None, plan={"model": _Net})()
     with pytest.raises(RuntimeError, match="not even a batch of one"):
         find_executable_batch_size(lambda batch_size: None, plan={**_plan(), "budget": 1024})()
+
+
+LINEAR_PLAN = {"model": "torch.nn:Linear", "model_kwargs": {"in_features": 256, "out_features": 256},
+               "input_shape": (256,), "device_type": "cpu"}
+
+
+def _first_size_inside_a_run(budget: int) -> int:
+    from hasten import find_executable_batch_size
+
+    tried = []
+    find_executable_batch_size(lambda batch_size: tried.append(batch_size), starting_batch_size=4096,
+                               plan={**LINEAR_PLAN, "budget": budget})()
+    return tried[0]
+
+
+def test_inside_a_running_process_group_the_plan_runs_in_a_fresh_interpreter():
+    from hasten.testing import run_on_ranks
+
+    kwargs = {k: v for k, v in LINEAR_PLAN.items() if k != "model"}
+    budget = plan_memory(LINEAR_PLAN["model"], batch_size=300, **kwargs).peak_bytes
+    expected = plan_largest_batch_size(LINEAR_PLAN["model"], budget, batch_size=4096, **kwargs)
+    assert 300 <= expected < 4096
+    assert run_on_ranks(_first_size_inside_a_run, world_size=2, args=(budget,), timeout=300) == [expected, expected]
