@@ -64,7 +64,17 @@ class MLPNet(nn.Module):
 LLAMAS = {"llama-0.1M": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=256),
           "llama-9M": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                           num_key_value_heads=4, vocab_size=8192)}
+                           num_key_value_heads=4, vocab_size=8192),
+          # ~110M parameters (GPT-2 small's shape in Llama's layers): only with --large
+          "llama-100M": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                             num_key_value_heads=12, vocab_size=32000)}
+
+#: The --large cases: the ~100M-parameter Llama on 1 and 2 ranks, a few layouts each.
+LARGE_CASES = {1: [("llama-100M", None, "bf16", "adamw", {})],
+               2: [("llama-100M", "dp_replicate=2", "no", "adamw", {}),
+                   ("llama-100M", "dp_shard=2", "bf16", "adamw", {}),
+                   ("llama-100M", "dp_shard=2", "bf16", "adamw", {"activation_checkpointing": True}),
+                   ("llama-100M", "zero=2", "bf16", "adamw", {}), ("llama-100M", "zero=3", "bf16", "adamw", {})]}
 
 
 def _cases(world: int, quick: bool, n_dimensional: bool = False,
@@ -224,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1 and 2 ranks, the two tiny models")
     parser.add_argument("--n-dimensional", action="store_true", help="only the HSDP and tensor-parallel cases")
     parser.add_argument("--zero", action="store_true", help="only the DeepSpeed ZeRO-2/3 cases (2 ranks)")
+    parser.add_argument("--large", action="store_true", help="only the ~100M-parameter Llama (1 and 2 ranks)")
     args = parser.parse_args(argv)
     import transformers
 
@@ -234,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, sizes in LLAMAS.items():
             transformers.LlamaConfig(**sizes, architectures=["LlamaForCausalLM"]).save_pretrained(f"{folder}/{name}")
         for world in ((1, 2) if args.quick else (1, 2, 4)):
-            cases = _cases(world, args.quick, args.n_dimensional, args.zero)
+            cases = LARGE_CASES.get(world, []) if args.large else _cases(world, args.quick, args.n_dimensional,
+                                                                         args.zero)
             if not cases:
                 continue
             if any(case[1] and case[1].startswith("zero") for case in cases):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from hasten.memory_plan import PlanError, plan_largest_batch_size, plan_memory
+from hasten.memory_plan import BatchSizePlan, PlanError, plan_largest_batch_size, plan_memory
 
 
 class _Net(nn.Module):
@@ -23,16 +23,20 @@ class _Net(nn.Module):
         return self.body(x)
 
 
-def _plan() -> dict:
-    budget = plan_memory(_Net, batch_size=100, input_shape=(128,), device_type="cpu").peak_bytes
-    return {"model": _Net, "budget": budget, "input_shape": (128,), "device_type": "cpu"}
+def _budget() -> int:
+    return plan_memory(_Net, batch_size=100, input_shape=(128,), device_type="cpu").peak_bytes
+
+
+def _plan(budget: int | str | None = None) -> BatchSizePlan:
+    return BatchSizePlan(_Net, budget or _budget(), input_shape=(128,), device_type="cpu")
 
 
 def test_starts_at_the_plans_largest_fitting_batch_size_and_still_reduces_on_oom():
     from hasten import find_executable_batch_size
 
     plan = _plan()
-    expected = plan_largest_batch_size(_Net, plan["budget"], batch_size=4096, input_shape=(128,), device_type="cpu")
+    expected = plan_largest_batch_size(_Net, plan.budget_bytes, batch_size=4096, input_shape=(128,),
+                                       device_type="cpu")
     assert 100 <= expected < 4096
     tried = []
 
@@ -48,20 +52,20 @@ def test_starts_at_the_plans_largest_fitting_batch_size_and_still_reduces_on_oom
     assert train() == int(expected * 0.9) and len(tried) == 3  # later calls keep the size that worked, no replan
 
 
-def test_the_plan_never_starts_above_starting_batch_size_and_needs_model_and_budget():
+def test_the_plan_never_starts_above_starting_batch_size_and_says_when_nothing_fits():
     from hasten import find_executable_batch_size
 
     tried = []
     find_executable_batch_size(lambda batch_size: tried.append(batch_size), starting_batch_size=8, plan=_plan())()
     assert tried == [8]
-    with pytest.raises(PlanError, match="budget"):
-        find_executable_batch_size(lambda batch_size: None, plan={"model": _Net})()
+    with pytest.raises(PlanError, match="'lots' is not a size"):
+        _plan("lots")
     with pytest.raises(RuntimeError, match="not even a batch of one"):
-        find_executable_batch_size(lambda batch_size: None, plan={**_plan(), "budget": 1024})()
+        find_executable_batch_size(lambda batch_size: None, plan=_plan(1024))()
 
 
-LINEAR_PLAN = {"model": "torch.nn:Linear", "model_kwargs": {"in_features": 256, "out_features": 256},
-               "input_shape": (256,), "device_type": "cpu"}
+LINEAR = "torch.nn:Linear"
+LINEAR_PLAN = {"model_kwargs": {"in_features": 256, "out_features": 256}, "input_shape": (256,), "device_type": "cpu"}
 
 
 def _first_size_inside_a_run(budget: int) -> int:
@@ -69,15 +73,14 @@ def _first_size_inside_a_run(budget: int) -> int:
 
     tried = []
     find_executable_batch_size(lambda batch_size: tried.append(batch_size), starting_batch_size=4096,
-                               plan={**LINEAR_PLAN, "budget": budget})()
+                               plan=BatchSizePlan(LINEAR, budget, **LINEAR_PLAN))()
     return tried[0]
 
 
 def test_inside_a_running_process_group_the_plan_runs_in_a_fresh_interpreter():
     from hasten.testing import run_on_ranks
 
-    kwargs = {k: v for k, v in LINEAR_PLAN.items() if k != "model"}
-    budget = plan_memory(LINEAR_PLAN["model"], batch_size=300, **kwargs).peak_bytes
-    expected = plan_largest_batch_size(LINEAR_PLAN["model"], budget, batch_size=4096, **kwargs)
+    budget = plan_memory(LINEAR, batch_size=300, **LINEAR_PLAN).peak_bytes
+    expected = plan_largest_batch_size(LINEAR, budget, batch_size=4096, **LINEAR_PLAN)
     assert 300 <= expected < 4096
     assert run_on_ranks(_first_size_inside_a_run, world_size=2, args=(budget,), timeout=300) == [expected, expected]

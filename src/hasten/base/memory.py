@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,7 +116,7 @@ def _check_batch_size_not_passed(function: Callable[..., Any], args: tuple[Any, 
 
 def find_executable_batch_size(function: Callable[..., Any] | None = None, starting_batch_size: int = 128,
                                reduce_batch_size_fn: Callable[..., int] | None = None, *,
-                               plan: Mapping[str, Any] | None = None) -> Any:
+                               plan: Callable[[int], int] | None = None) -> Any:
     """Decorator: call ``function(batch_size, *args, **kwargs)``, retrying with a smaller batch on OOM.
 
     Tries ``starting_batch_size`` first; when the call fails with an out-of-memory error (see
@@ -125,11 +125,10 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
     no argument, as in Accelerate, or with the failed size if it takes one). The last size that worked
     is remembered for later calls. Other errors propagate unchanged.
 
-    ``plan`` (hasten's addition, keyword only): start from a memory plan instead of a guess. A mapping with
-    ``model`` and ``budget`` (memory per process, bytes or e.g. ``"80GiB"``) plus any
-    :func:`hasten.plan_memory` keyword (``seq_len``, ``num_processes``, ``layout``, ``mixed_precision``, ...);
-    on the first call the first size tried is the largest whose planned step fits the budget, at most
-    ``starting_batch_size`` (:func:`hasten.memory_plan.search.planned_starting_batch_size`). A real
+    ``plan`` (hasten's addition, keyword only): start from a memory plan instead of a guess, a
+    :class:`hasten.memory_plan.BatchSizePlan` (model, budget per process and ``plan_memory``'s keywords).
+    It is called once, on the first call, with ``starting_batch_size``, and the first size tried is what it
+    returns: the largest whose planned step fits the budget, at most ``starting_batch_size``. A real
     out-of-memory error still reduces it as above (the plan leaves out the allocator's overheads).
 
     Differences from Accelerate (kept signature): ``@find_executable_batch_size(starting_batch_size=...,
@@ -141,7 +140,7 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
         RuntimeError: the batch size reached zero without a call succeeding, or the plan says not even a batch
             of one fits the budget.
         TypeError: the caller passed the batch size itself.
-        PlanError: ``plan`` lacks ``model`` or ``budget``, or cannot be made (one line naming the value).
+        PlanError: the plan cannot be made (one line naming the bad value).
 
     Example:
         >>> @find_executable_batch_size(starting_batch_size=256)
@@ -164,9 +163,7 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
         nonlocal batch_size, pending_plan
         _check_batch_size_not_passed(function, args)
         if pending_plan is not None:
-            from hasten.memory_plan.search import planned_starting_batch_size
-
-            batch_size = planned_starting_batch_size(pending_plan, batch_size)
+            batch_size = min(batch_size, int(pending_plan(batch_size)))
             pending_plan = None
             if batch_size <= 0:
                 raise RuntimeError("No executable batch size found: the memory plan says not even a batch of one "

@@ -251,3 +251,18 @@ def batch_spec(batch: Any, batch_size: int | None, seq_len: int | None,
         return {"input": ((batch_size, *input_shape), torch.float32)}
     raise PlanError(f"batch_size={batch_size} without a sample shape: add --seq_len S (token ids) or "
                     "--input_shape D1,D2 (a float input of shape (B, D1, D2)).")
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The output's ``.loss`` (a transformers model given labels), else the mean of the (first) output tensor."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if isinstance(output, Mapping):
+        output = next(iter(output.values()))
+    if not isinstance(output, torch.Tensor):
+        raise PlanError(f"the model returned a {type(output).__name__} with no loss: pass loss_fn=(output, batch) "
+                        "-> loss, or labels in the batch.")
+    return output.mean()

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from hasten._private_api import memory_tracker
-from hasten.memory_plan.planner import PLANNED_STEPS, default_loss
+from hasten.memory_plan.inputs import default_loss
+from hasten.memory_plan.planner import PLANNED_STEPS
 from hasten.memory_plan.result import ProcessPlan, categorize
 
 

@@ -52,6 +52,7 @@ from hasten.memory_plan.inputs import (
     PlanError,
     batch_spec,
     build_model,
+    default_loss,
     make_optimizer_factory,
     parse_layout,
 )
@@ -336,21 +337,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The output's ``.loss`` (a transformers model given labels), else the mean of the (first) output tensor."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, (tuple, list)) and output:
-        output = output[0]
-    if isinstance(output, Mapping):
-        output = next(iter(output.values()))
-    if not isinstance(output, torch.Tensor):
-        raise PlanError(f"the model returned a {type(output).__name__} with no loss: pass loss_fn=(output, batch) "
-                        "-> loss, or labels in the batch.")
-    return output.mean()
 
 
 def ddp_bucket_bytes(model: nn.Module) -> int:

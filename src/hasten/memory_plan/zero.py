@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from hasten._private_api import memory_tracker
-from hasten.memory_plan.inputs import PlanError
+from hasten.memory_plan.inputs import PlanError, default_loss
 from hasten.memory_plan.result import ProcessPlan, categorize
 
 #: Optimizers a ZeRO plan knows: (fp32 state tensors per element, fp32 temporaries per element at the step,
@@ -102,6 +102,7 @@ class _ModelStep:
     """What the model needs in forward and backward, whatever ZeRO does (bytes)."""
 
     activations: int  # the plain backward's peak less its parameters and gradients (inputs included)
+    forward_activations: int  # what the forward leaves alive for backward (inputs and outputs included)
     input_bytes: int  # the batch, alive through the optimizer step too
     parameter_numels: tuple[int, ...]
     element_size: int  # of the parameters as the engine holds them (2 under bf16, else 4)
@@ -110,8 +111,6 @@ class _ModelStep:
 def model_step(model: nn.Module, inputs: dict[str, torch.Tensor], mixed_precision: str, loss_fn: Any) -> _ModelStep:
     """Forward and backward of ``model`` as DeepSpeed runs it (bf16/fp16: the module cast, no autocast), on the
     fake tensors of the active fake mode, inside torch's tracker."""
-    from hasten.memory_plan.planner import default_loss
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
     if dtype is not None:  # the engine casts the module; float inputs must be cast by the loop too
         for tensor in (*model.parameters(), *model.buffers()):  # in place: fake parameters cannot be swapped
@@ -127,12 +126,10 @@ def model_step(model: nn.Module, inputs: dict[str, torch.Tensor], mixed_precisio
         after_forward = categorize(tracker.get_tracker_snapshot("current")[torch.device("cpu")])
         loss.backward()
     peak = categorize(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
-    # ZeRO frees each gradient once bucketed, so what the rank holds besides is the larger of the forward's
-    # saved activations and the backward's own temporaries at its peak.
-    activations = max(sum(after_forward.values()) - after_forward["parameters"],
-                      sum(peak.values()) - peak["parameters"] - peak["gradients"])
+    forward_activations = sum(after_forward.values()) - after_forward["parameters"]
+    activations = max(forward_activations, sum(peak.values()) - peak["parameters"] - peak["gradients"])
     input_bytes = sum(t.numel() * t.element_size() for t in inputs.values())
-    return _ModelStep(activations, input_bytes, numels, 4 if dtype is None else 2)
+    return _ModelStep(activations, forward_activations, input_bytes, numels, 4 if dtype is None else 2)
 
 
 def zero_process_plan(step: _ModelStep, settings: ZeroSettings, world_size: int, optimizer: str) -> ProcessPlan:
@@ -168,8 +165,16 @@ def zero_process_plan(step: _ModelStep, settings: ZeroSettings, world_size: int,
         gathered = (partitioned if kept else min(partitioned, settings.max_live_parameters
                                                  + settings.prefetch_bucket_size)) * b
         in_flight_grads += fp32_partition  # the fp32 gradient of the partition, written as buckets reduce
-    backward = dict(parameters=parameters + gathered, gradients=gradients + in_flight_grads,
-                    optimizer_state=optimizer_state, activations=step.activations, temporaries=0,
+    # ZeRO frees each gradient once bucketed, so the backward peaks either at its start (the plain backward's
+    # activations and temporaries, before any parameter has a gradient: a large vocabulary's logits) or later,
+    # with the forward's activations still alive and the partition's gradients being reduced.
+    early = step.activations
+    later = step.forward_activations + in_flight_grads + (gradients if settings.stage == 2 else 0)
+    backward = dict(parameters=parameters + gathered,
+                    gradients=(gradients if settings.stage == 3 else 0) + (later - step.forward_activations
+                                                                           if later > early else 0),
+                    optimizer_state=optimizer_state,
+                    activations=step.forward_activations if later > early else early, temporaries=0,
                     communication=communication)
     optimizer_step = dict(parameters=parameters, gradients=gradients if settings.stage == 3 else 0,
                           optimizer_state=optimizer_state, activations=step.input_bytes,
