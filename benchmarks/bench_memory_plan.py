@@ -12,6 +12,8 @@ batch size 1 on one process, whatever the layout, optimizer or batch.
     python benchmarks/bench_memory_plan.py            # every case (a few minutes on 2 cores)
     python benchmarks/bench_memory_plan.py --quick    # 1 and 2 ranks, tiny models only
     python benchmarks/bench_memory_plan.py --n-dimensional   # only HSDP and tensor parallel (2 and 4 ranks)
+    python benchmarks/bench_memory_plan.py --zero     # only DeepSpeed ZeRO-2/3 on 2 ranks, against its engine
+    python benchmarks/bench_memory_plan.py --large    # a ~110M-parameter Llama on 1 and 2 ranks (slow)
 
 What "measured" means: the bytes of live tensor storages, as torch's tracker counts them on CPU. It does
 not see the allocator's rounding and caching on a GPU, the CUDA context or NCCL's own buffers: leave a
@@ -94,7 +96,7 @@ def _cases(world: int, quick: bool, n_dimensional: bool = False,
                       (model, shard, "bf16", "sgd", {"reshard_after_forward": False}),
                       (model, shard, "bf16", "adamw", {"activation_checkpointing": True})]
         cases += _n_dimensional_cases(model, world)
-        if not n_dimensional and world == 2:
+        if not n_dimensional and world == 2 and (zero_only or not quick):  # --quick stays short: no engines
             cases += _zero_cases(model)
     if zero_only:
         cases = [case for case in cases if case[1] and case[1].startswith("zero")]
