@@ -172,6 +172,23 @@ def memory_tracker(fsdp_module: Any = None, optimizer: Any = None) -> Any:
     return tracker(fsdp_module, optimizer)
 
 
+def always_stepping_grad_scaler(device_type: str) -> Any:
+    """A ``torch.amp.GradScaler`` whose ``step`` runs the optimizer without reading ``found_inf``.
+
+    Why: ``GradScaler._maybe_opt_step`` decides with ``found_inf.item()``, which fake tensors cannot answer; a
+    memory plan wants the step that runs (finite gradients), with the scaler's own tensors and its unscale
+    temporaries as a real step has them. Raises PrivateAPIError when the hook moved.
+    """
+    import torch
+
+    class _AlwaysStepping(torch.amp.GradScaler):
+        def _maybe_opt_step(self, optimizer: Any, optimizer_state: Any, *args: Any, **kwargs: Any) -> Any:
+            return optimizer.step(*args, **kwargs)
+
+    if not hasattr(torch.amp.GradScaler, "_maybe_opt_step"):
+        raise _missing("torch.amp.GradScaler._maybe_opt_step", "hasten.plan_memory (mixed_precision='fp16')")
+    return _AlwaysStepping(device_type)
+
 
 @contextmanager
 def dtensor_propagation_in_own_fake_mode() -> Iterator[None]:

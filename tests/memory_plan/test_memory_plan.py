@@ -261,8 +261,9 @@ def test_budget_tries_hsdp_and_tensor_parallel_layouts_cheapest_communication_fi
     from hasten.memory_plan import parse_layout
 
     layouts = [layout for _, layout, _ in candidate_layouts(8)]
-    assert layouts == ["dp_replicate=8", "dp_replicate=4,dp_shard=2", "dp_replicate=2,dp_shard=4", "dp_shard=8",
-                       "dp_shard=8", "dp_shard=8", "dp_shard=4,tp=2", "dp_shard=2,tp=4", "tp=8"]
+    assert layouts == ["dp_replicate=8", "dp_replicate=4,dp_shard=2", "dp_replicate=2,dp_shard=4", "zero=2",
+                       "dp_shard=8", "dp_shard=8", "zero=3", "dp_shard=8", "dp_shard=4,tp=2", "dp_shard=2,tp=4",
+                       "tp=8"]
     assert all(parse_layout(layout, 8).size == 8 for layout in layouts)
     assert [layout for _, layout, _ in candidate_layouts(2)][-1] == "tp=2"
 
@@ -302,11 +303,20 @@ def test_largest_batch_size_search_equals_brute_force_with_few_plans():
     (["--train", "--batch_size", "8", "--input_shape", "1000", "--num_processes", "4", "--layout", "dp_shard=3"],
      "dp_shard=3' covers 3 process(es), not --num_processes 4"),
     (["--train", "--batch_size", "8", "--input_shape", "1000", "--num_processes", "8", "--layout", "dp_shard=4,cp=2"],
-     "'cp=2' cannot be planned yet"),
+     "'cp=2' cannot be planned: context parallel"),
     (["--train", "--batch_size", "8", "--input_shape", "1000", "--num_processes", "2", "--layout", "tp=2"],
      "has no tensor-parallel plan"),
-    (["--train", "--batch_size", "8", "--input_shape", "1000", "--layout", "zero=2", "--num_processes", "2"],
-     "'zero=2' cannot be planned yet"),
+    (["--train", "--batch_size", "8", "--input_shape", "1000", "--layout", "zero=1", "--num_processes", "2"],
+     "'zero=1' cannot be planned"),
+    (["--train", "--batch_size", "8", "--input_shape", "1000", "--layout", "zero=3,dp_shard=2", "--num_processes",
+      "2"], "takes no other size"),
+    (["--train", "--batch_size", "8", "--input_shape", "1000", "--mixed_precision", "fp8"], "amax"),
+    (["--train", "--batch_size", "8", "--input_shape", "1000", "--gradient_accumulation_steps", "0"],
+     "gradient_accumulation_steps=0"),
+    (["--train", "--batch_size", "8", "--input_shape", "1000", "--layout", "zero=2", "--num_processes", "2",
+      "--deepspeed_config", "/no/such/ds.json"], "--deepspeed_config '/no/such/ds.json'"),
+    (["--train", "--batch_size", "8", "--input_shape", "1000", "--layout", "zero=2", "--num_processes", "2",
+      "--optimizer", "torch.optim:Adagrad"], "'torch.optim:Adagrad'"),
     (["--train", "--batch_size", "8", "--input_shape", "1000", "--optimizer", "lion"], "'lion'"),
     (["--train", "--batch_size", "8", "--input_shape", "1000", "--mixed_precision", "fp4"], "'fp4'"),
     (["--train", "--batch_size", "8", "--input_shape", "1000", "--budget", "lots"], "'lots'"),

@@ -115,7 +115,8 @@ def _check_batch_size_not_passed(function: Callable[..., Any], args: tuple[Any, 
 
 
 def find_executable_batch_size(function: Callable[..., Any] | None = None, starting_batch_size: int = 128,
-                               reduce_batch_size_fn: Callable[..., int] | None = None) -> Any:
+                               reduce_batch_size_fn: Callable[..., int] | None = None, *,
+                               plan: Callable[[int], int] | None = None) -> Any:
     """Decorator: call ``function(batch_size, *args, **kwargs)``, retrying with a smaller batch on OOM.
 
     Tries ``starting_batch_size`` first; when the call fails with an out-of-memory error (see
@@ -124,14 +125,22 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
     no argument, as in Accelerate, or with the failed size if it takes one). The last size that worked
     is remembered for later calls. Other errors propagate unchanged.
 
+    ``plan`` (hasten's addition, keyword only): start from a memory plan instead of a guess, a
+    :class:`hasten.memory_plan.BatchSizePlan` (model, budget per process and ``plan_memory``'s keywords).
+    It is called once, on the first call, with ``starting_batch_size``, and the first size tried is what it
+    returns: the largest whose planned step fits the budget, at most ``starting_batch_size``. A real
+    out-of-memory error still reduces it as above (the plan leaves out the allocator's overheads).
+
     Differences from Accelerate (kept signature): ``@find_executable_batch_size(starting_batch_size=...,
     reduce_batch_size_fn=...)`` keeps ``reduce_batch_size_fn`` (Accelerate drops it in that form), and
     memory is freed after the failed call's exception and traceback (which hold its tensors) are gone,
     so the retry really gets that memory back.
 
     Raises:
-        RuntimeError: the batch size reached zero without a call succeeding.
+        RuntimeError: the batch size reached zero without a call succeeding, or the plan says not even a batch
+            of one fits the budget.
         TypeError: the caller passed the batch size itself.
+        PlanError: the plan cannot be made (one line naming the bad value).
 
     Example:
         >>> @find_executable_batch_size(starting_batch_size=256)
@@ -142,16 +151,23 @@ def find_executable_batch_size(function: Callable[..., Any] | None = None, start
     """
     if function is None:
         return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
-                                 reduce_batch_size_fn=reduce_batch_size_fn)
+                                 reduce_batch_size_fn=reduce_batch_size_fn, plan=plan)
     if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int):
         raise TypeError(f"starting_batch_size must be an int, got {starting_batch_size!r}")
     reduce = _make_reducer(reduce_batch_size_fn)
     batch_size = starting_batch_size
+    pending_plan = plan
 
     @functools.wraps(function)
     def decorator(*args: Any, **kwargs: Any) -> Any:
-        nonlocal batch_size
+        nonlocal batch_size, pending_plan
         _check_batch_size_not_passed(function, args)
+        if pending_plan is not None:
+            batch_size = min(batch_size, int(pending_plan(batch_size)))
+            pending_plan = None
+            if batch_size <= 0:
+                raise RuntimeError("No executable batch size found: the memory plan says not even a batch of one "
+                                   "fits the budget (see `hasten estimate-memory --train --budget` for layouts).")
         clear_device_cache(garbage_collection=True)
         while True:
             if batch_size <= 0:

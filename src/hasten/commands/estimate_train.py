@@ -20,7 +20,8 @@ from typing import Any
 TRAIN_DEFAULTS: dict[str, Any] = {
     "batch_size": None, "seq_len": None, "input_shape": None, "num_processes": 1, "layout": None, "budget": None,
     "json": False, "optimizer": "adamw", "momentum": 0.0, "mixed_precision": "no", "device_type": "cuda",
-    "activation_checkpointing": False, "reshard_after_forward": None}
+    "activation_checkpointing": False, "reshard_after_forward": None, "gradient_accumulation_steps": 1,
+    "deepspeed_config": None}
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,10 +35,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                        help="shape of one float sample, e.g. '3,224,224' (instead of --seq_len)")
     group.add_argument("--num_processes", "--num-processes", type=int, default=1, help="the world size to plan for")
     group.add_argument("--layout", default=None, help="ParallelismConfig sizes: 'dp_replicate=N' (DDP, default), 'dp_shard=N' (FSDP2), "
-                       "'dp_replicate=R,dp_shard=S' (HSDP), 'tp=T' or 'dp_shard=S,tp=T' (tensor parallel)")
+                       "'dp_replicate=R,dp_shard=S' (HSDP), 'tp=T' or 'dp_shard=S,tp=T' (tensor parallel), "
+                       "'zero=2' or 'zero=3' (DeepSpeed ZeRO)")
     group.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd (default adamw)")
     group.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
-    group.add_argument("--mixed_precision", "--mixed-precision", default="no", help="no or bf16")
+    group.add_argument("--mixed_precision", "--mixed-precision", default="no",
+                       help="no, bf16 or fp16 (with its GradScaler); fp8 cannot be planned")
+    group.add_argument("--gradient_accumulation_steps", "--gradient-accumulation-steps", type=int, default=1,
+                       help="micro-batches of --batch_size per optimizer step (default 1)")
+    group.add_argument("--deepspeed_config", "--deepspeed-config", default=None,
+                       help="with --layout zero=2|3: a DeepSpeed config JSON whose bucket sizes size ZeRO's buffers")
     group.add_argument("--device_type", "--device-type", default="cuda",
                        help="cuda (default) or cpu: picks torch's optimizer implementation and hasten's gloo settings")
     group.add_argument("--activation_checkpointing", "--activation-checkpointing", action="store_true",
@@ -93,15 +100,34 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
     if given not in (None, "true", "false"):
         raise PlanError(f"--reshard_after_forward {args.reshard_after_forward!r} is not a boolean: write true or false.")
     reshard = None if given is None else given == "true"
-    return {"batch_size": args.batch_size, "seq_len": args.seq_len, "input_shape": shape,
+    return {"gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "deepspeed_config": _deepspeed_config(args.deepspeed_config),"batch_size": args.batch_size, "seq_len": args.seq_len, "input_shape": shape,
             "num_processes": args.num_processes, "optimizer": args.optimizer, "momentum": args.momentum,
             "mixed_precision": args.mixed_precision, "model_kwargs": model_kwargs, "device_type": args.device_type,
             "reshard_after_forward": reshard, "activation_checkpointing": args.activation_checkpointing}
 
 
+def _deepspeed_config(path: str | None) -> dict[str, Any] | None:
+    from hasten.memory_plan import PlanError
+
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError(f"--deepspeed_config {path!r} cannot be read as JSON ({type(exc).__name__}): pass the "
+                        "path of a DeepSpeed config file.") from None
+    if not isinstance(config, dict):
+        raise PlanError(f"--deepspeed_config {path!r} holds a {type(config).__name__}, not a JSON object.")
+    return config
+
+
 def _plan(model: str, options: dict[str, Any], layout: str | None) -> Any:
     from hasten.memory_plan import plan_memory
 
+    if options.get("deepspeed_config") is not None and not str(layout or "").startswith("zero"):
+        options = {**options, "deepspeed_config": None}  # --budget: the config sizes only the ZeRO rows
     return plan_memory(model, layout=layout, **options)
 
 
@@ -110,7 +136,9 @@ def candidate_layouts(num_processes: int) -> list[tuple[str, str | None, dict[st
 
     Per step and process, DDP all-reduces the gradients (~2x their bytes). HSDP (``dp_replicate=R,dp_shard=S``)
     moves about as much as FSDP2 in all, but only a 1/S shard of the gradients crosses between replicas (the
-    slow link across machines), so more replicas come first. FSDP2 that keeps parameters gathered after forward
+    slow link across machines), so more replicas come first. DeepSpeed ZeRO-2 reduce-scatters gradients and
+    all-gathers the updated parameters (DDP's volume); ZeRO-3 gathers parameters in forward and again in
+    backward, as FSDP2 resharding after forward does. FSDP2 that keeps parameters gathered after forward
     all-gathers them once and reduce-scatters gradients (about DDP's volume, less overlap); resharding after
     forward all-gathers them a second time in backward (~3x); activation checkpointing adds a second forward's
     compute on top. Tensor parallel (``tp=T``, up to 8, one machine's GPUs) all-reduces activations in every
@@ -127,8 +155,10 @@ def candidate_layouts(num_processes: int) -> list[tuple[str, str | None, dict[st
                         f"dp_shard={num_processes // t},tp={t}" if t < num_processes else f"tp={t}", plain)
                        for t in (2, 4, 8) if t <= num_processes and num_processes % t == 0]
     return [(f"dp_replicate={num_processes} (DDP)", f"dp_replicate={num_processes}", plain), *hsdp,
+            ("zero=2 (DeepSpeed ZeRO-2)", "zero=2", plain),
             (f"{shard} (FSDP2, keep gathered after forward)", shard, {"reshard_after_forward": False}),
             (f"{shard} (FSDP2, reshard after forward)", shard, {"reshard_after_forward": True}),
+            ("zero=3 (DeepSpeed ZeRO-3)", "zero=3", plain),
             (f"{shard} (FSDP2, reshard + activation checkpointing)", shard,
              {"reshard_after_forward": True, "activation_checkpointing": True}), *tensor_parallel]
 

@@ -16,8 +16,8 @@ from hasten.memory_plan.result import (
     format_plan,
     parse_bytes,
 )
-from hasten.memory_plan.search import largest_batch_size, plan_largest_batch_size
+from hasten.memory_plan.search import BatchSizePlan, largest_batch_size, plan_largest_batch_size
 
-__all__ = ["CATEGORIES", "Layout", "MemoryPlan", "ModuleMemory", "PlanError", "ProcessPlan", "format_bytes",
+__all__ = ["BatchSizePlan", "CATEGORIES", "Layout", "MemoryPlan", "ModuleMemory", "PlanError", "ProcessPlan", "format_bytes",
            "format_plan", "largest_batch_size", "parse_bytes", "parse_layout", "plan_largest_batch_size",
            "plan_memory"]

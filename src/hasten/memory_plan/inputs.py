@@ -22,7 +22,7 @@ from hasten.exceptions import ConfigurationError
 #: Layout keys and what each one shards (ParallelismConfig sizes, or a DeepSpeed ZeRO stage).
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "zero")
 OPTIMIZERS = ("adamw", "adam", "sgd")
-MIXED_PRECISIONS = ("no", "bf16")
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
 
 
 class PlanError(ConfigurationError):
@@ -37,11 +37,12 @@ class Layout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    zero: int = 0  # a DeepSpeed ZeRO stage (2 or 3) over all ``dp_replicate`` processes; 0: none
 
     @property
     def sharded(self) -> bool:
         """True when FSDP2 prepares the model (``dp_shard > 1``, or tensor parallel, which hasten runs under
-        ``fully_shard`` too); False for replication (DDP) or one process."""
+        ``fully_shard`` too); False for replication (DDP), DeepSpeed ZeRO or one process."""
         return self.dp_shard > 1 or self.tp > 1
 
     @property
@@ -56,7 +57,9 @@ class Layout:
         return self.dp_replicate * self.dp_shard * self.tp
 
     def describe(self) -> str:
-        """``'dp_shard=4'``, ``'dp_replicate=2,dp_shard=2'``, ``'dp_shard=2,tp=2'``, ``'single process'``."""
+        """``'dp_shard=4'``, ``'dp_replicate=2,dp_shard=2'``, ``'dp_shard=2,tp=2'``, ``'zero=3'``, ``'single process'``."""
+        if self.zero:
+            return f"zero={self.zero}"
         sizes = (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp))
         return ",".join(f"{k}={v}" for k, v in sizes if v > 1) or "single process"
 
@@ -68,17 +71,17 @@ def parse_layout(text: str | Mapping[str, int] | None, num_processes: int) -> La
 
     Raises:
         PlanError: an unknown key, a size that is not a positive integer, sizes whose product is not
-            ``num_processes``, or a layout hasten cannot plan yet (context parallel, DeepSpeed ZeRO).
+            ``num_processes``, a ZeRO stage other than 2 or 3, or context parallel.
     """
     if num_processes < 1:
         raise PlanError(f"num_processes={num_processes} must be at least 1.")
     sizes = _layout_sizes(text) if text else {"dp_replicate": num_processes}
-    unplannable = {k: v for k, v in sizes.items() if k in ("cp", "zero") and v > (0 if k == "zero" else 1)}
-    if unplannable:
-        named = ",".join(f"{k}={v}" for k, v in unplannable.items())
-        raise PlanError(f"layout {named!r} cannot be planned yet: hasten plans DDP (dp_replicate=N), FSDP2 "
-                        "(dp_shard=N), HSDP (dp_replicate=R,dp_shard=S) and tensor parallel (tp=T, alone or with "
-                        "them); context parallel and DeepSpeed ZeRO plans are not implemented.")
+    if sizes.get("cp", 1) > 1:
+        raise PlanError(f"layout 'cp={sizes['cp']}' cannot be planned: context parallel shards the sequence inside "
+                        "attention through torch's experimental context_parallel(), which does not run on fake "
+                        "tensors; plan without cp (its activations per process are about 1/cp of the plan's).")
+    if sizes.get("zero"):
+        return _zero_layout(sizes, num_processes)
     layout = Layout(dp_replicate=sizes.get("dp_replicate", 1), dp_shard=sizes.get("dp_shard", 1),
                     tp=sizes.get("tp", 1))
     if layout.size != num_processes:
@@ -86,6 +89,20 @@ def parse_layout(text: str | Mapping[str, int] | None, num_processes: int) -> La
                         f"not --num_processes {num_processes}: make the sizes multiply to {num_processes} "
                         f"(e.g. dp_shard={num_processes}).")
     return layout
+
+
+def _zero_layout(sizes: dict[str, int], num_processes: int) -> Layout:
+    """``zero=2`` / ``zero=3``: DeepSpeed ZeRO over all processes (no other size goes with it)."""
+    stage = sizes["zero"]
+    if stage not in (2, 3):
+        raise PlanError(f"layout 'zero={stage}' cannot be planned: hasten plans ZeRO stages 2 and 3 "
+                        "(write zero=2 or zero=3).")
+    others = {k: v for k, v in sizes.items() if k != "zero" and v > 1}
+    if others:
+        named = ",".join(f"{k}={v}" for k, v in others.items())
+        raise PlanError(f"layout 'zero={stage}' shards over every process and takes no other size, but {named!r} "
+                        f"was given with it: write --layout zero={stage} alone.")
+    return Layout(dp_replicate=num_processes, zero=stage)
 
 
 def _layout_sizes(text: str | Mapping[str, int]) -> dict[str, int]:
@@ -234,3 +251,18 @@ def batch_spec(batch: Any, batch_size: int | None, seq_len: int | None,
         return {"input": ((batch_size, *input_shape), torch.float32)}
     raise PlanError(f"batch_size={batch_size} without a sample shape: add --seq_len S (token ids) or "
                     "--input_shape D1,D2 (a float input of shape (B, D1, D2)).")
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The output's ``.loss`` (a transformers model given labels), else the mean of the (first) output tensor."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if isinstance(output, Mapping):
+        output = next(iter(output.values()))
+    if not isinstance(output, torch.Tensor):
+        raise PlanError(f"the model returned a {type(output).__name__} with no loss: pass loss_fn=(output, batch) "
+                        "-> loss, or labels in the batch.")
+    return output.mean()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten._private_api import (
+    always_stepping_grad_scaler,
     clear_dtensor_caches,
     composable_checkpoint,
     device_mesh_tensors_outside_fake_mode,
@@ -51,14 +52,22 @@ from hasten.memory_plan.inputs import (
     PlanError,
     batch_spec,
     build_model,
+    default_loss,
     make_optimizer_factory,
     parse_layout,
 )
 from hasten.memory_plan.result import MemoryPlan, ModuleMemory, ProcessPlan, categorize
+from hasten.memory_plan.zero import model_step, zero_process_plan, zero_settings
 from hasten.precision import create_precision
 from hasten.strategies.fsdp2 import FSDP2Strategy
 from hasten.strategies.fsdp2_gloo import tune_for_gloo
 from hasten.strategies.nd import NDParallelStrategy
+
+#: Precisions a plan refuses, and why (one line each).
+UNPLANNABLE_PRECISIONS = {
+    "fp8": "torchao's Float8Linear computes its scales from the weights' and activations' values (amax), which fake "
+           "tensors do not have; plan with 'bf16' (fp8 keeps bf16 weights and optimizer state, its activations are "
+           "at most the bf16 plan's)."}
 
 #: Optimizer steps in a plan: the first creates the optimizer state, the second runs with it in place.
 PLANNED_STEPS = 2
@@ -72,7 +81,8 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
                 device_type: str = "cuda", fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
                 reshard_after_forward: bool | None = None, activation_checkpointing: bool = False,
                 loss_fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor] | None = None,
-                top_modules: int = 5) -> MemoryPlan:
+                top_modules: int = 5, deepspeed_config: Mapping[str, Any] | None = None,
+                gradient_accumulation_steps: int = 1) -> MemoryPlan:
     """Plan the memory of one training step per process, without allocating it.
 
     Args:
@@ -85,7 +95,8 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
             ``'dp_replicate=R,dp_shard=S'`` (HSDP), ``'tp=T'`` alone or with either (tensor parallel on the
             model's plan: a transformers model's ``base_model_tp_plan``).
         optimizer: ``'adamw'``, ``'adam'``, ``'sgd'`` (with ``momentum``) or a callable ``params -> Optimizer``.
-        mixed_precision: ``'no'`` or ``'bf16'`` (autocast; under FSDP2 also its bf16 parameter policy).
+        mixed_precision: ``'no'``, ``'bf16'`` or ``'fp16'`` (autocast, under FSDP2 also its 16-bit parameter
+            policy; fp16 with a GradScaler). ``'fp8'`` is refused (see :data:`UNPLANNABLE_PRECISIONS`).
         device_type: the device the run will use; it picks torch's optimizer implementation (multi-tensor on
             ``'cuda'``, per tensor on ``'cpu'``) and, on ``'cpu'``, hasten's gloo settings for FSDP2.
         fsdp_plugin: FSDP2 settings (wrap policy, ``reshard_after_forward``, ``activation_checkpointing``);
@@ -95,6 +106,10 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
         activation_checkpointing: FSDP2 recomputes each unit's activations in backward.
         loss_fn: ``(output, batch) -> loss``; default the output's ``.loss``, else the mean of the output.
         top_modules: how many of the largest modules to list per process.
+        gradient_accumulation_steps: micro-batches per optimizer step (``batch`` is one micro-batch); under FSDP2
+            the unsharded gradients stay alive between them, as ``accelerator.accumulate`` keeps them.
+        deepspeed_config: for ``layout='zero=2'``/``'zero=3'``: the DeepSpeed config (dict) whose bucket sizes,
+            ``overlap_comm`` and stage-3 thresholds size ZeRO's buffers (DeepSpeed's defaults where absent).
 
     Raises:
         PlanError: a bad layout, model, batch, optimizer or precision (the message names the value and the fix).
@@ -105,8 +120,12 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
         >>> print(plan.per_process[0].peak_bytes)
     """
     parsed = parse_layout(layout, num_processes)
+    if mixed_precision in UNPLANNABLE_PRECISIONS:
+        raise PlanError(f"mixed_precision {mixed_precision!r} cannot be planned: {UNPLANNABLE_PRECISIONS[mixed_precision]}")
     if mixed_precision not in MIXED_PRECISIONS:
         raise PlanError(f"mixed_precision {mixed_precision!r} cannot be planned: use one of {MIXED_PRECISIONS}.")
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise PlanError(f"gradient_accumulation_steps={gradient_accumulation_steps!r} must be a positive integer.")
     if device_type not in ("cuda", "cpu"):
         raise PlanError(f"device_type {device_type!r} cannot be planned: use 'cuda' or 'cpu'.")
     if not parsed.sharded and (fsdp_plugin is not None or activation_checkpointing or reshard_after_forward is not None):
@@ -114,16 +133,73 @@ def plan_memory(model: Any, *, batch: Any = None, batch_size: int | None = None,
                         f"layout (dp_shard or tp), not {parsed.describe()!r}: use layout='dp_shard={num_processes}'.")
     label, make_optimizer = make_optimizer_factory(optimizer, momentum=momentum, foreach=device_type == "cuda")
     spec = batch_spec(batch, batch_size, seq_len, input_shape)
+    if parsed.zero:
+        process = _plan_zero(model, model_kwargs, parsed, num_processes, spec, optimizer, momentum,
+                             mixed_precision, deepspeed_config, loss_fn, top_modules)
+        label = f"{label} (DeepSpeed ZeRO-{parsed.zero})"
+    elif deepspeed_config is not None:
+        raise PlanError(f"deepspeed_config sizes a ZeRO plan, but the layout is {parsed.describe()!r}: "
+                        "use layout='zero=2' or 'zero=3', or drop deepspeed_config.")
+    else:
+        process = _plan_parallel(model, model_kwargs, parsed, num_processes, spec, make_optimizer, mixed_precision,
+                                 device_type, fsdp_plugin, reshard_after_forward, activation_checkpointing,
+                                 loss_fn, top_modules, gradient_accumulation_steps)
+    return MemoryPlan(model=_model_label(model), layout=parsed.describe(), num_processes=num_processes,
+                      optimizer=label, mixed_precision=mixed_precision,
+                      batch={k: list(shape) for k, (shape, _) in spec.items()},
+                      per_process=[replace(process, rank=rank) for rank in range(num_processes)])
+
+
+def _model_label(model: Any) -> str:
+    if isinstance(model, nn.Module):
+        return type(model).__name__
+    if isinstance(model, str) or not callable(model):
+        return str(model)
+    return getattr(model, "__name__", type(model).__name__)
+
+
+def _plan_parallel(model: Any, model_kwargs: Mapping[str, Any] | None, parsed: Layout, num_processes: int,
+                   spec: dict[str, tuple[tuple[int, ...], torch.dtype]], make_optimizer: Any, mixed_precision: str,
+                   device_type: str, fsdp_plugin: FullyShardedDataParallelPlugin | None,
+                   reshard_after_forward: bool | None, activation_checkpointing: bool, loss_fn: Any,
+                   top_modules: int, accumulation_steps: int) -> ProcessPlan:
+    """Rank 0's plan for DDP, FSDP2, HSDP and tensor parallel: the prepared model's step on fake tensors."""
     with _fake_world(num_processes):
         config = _mesh_config(parsed) if parsed.sharded else None
         with fake_tensor_mode(), dtensor_propagation_in_own_fake_mode(), device_mesh_tensors_outside_fake_mode():
-            built, model_label = build_model(model, model_kwargs)
+            built, _ = build_model(model, model_kwargs)
             plugin = fsdp_plugin or _default_plugin(built, reshard_after_forward, activation_checkpointing)
-            process = _run_step(built, parsed, config, spec, make_optimizer, mixed_precision, device_type,
-                                plugin, loss_fn, top_modules)
-    return MemoryPlan(model=model_label, layout=parsed.describe(), num_processes=num_processes, optimizer=label,
-                      mixed_precision=mixed_precision, batch={k: list(shape) for k, (shape, _) in spec.items()},
-                      per_process=[replace(process, rank=rank) for rank in range(num_processes)])
+            return _run_step(built, parsed, config, spec, make_optimizer, mixed_precision, device_type,
+                             plugin, loss_fn, top_modules, accumulation_steps)
+
+
+def _plan_zero(model: Any, model_kwargs: Mapping[str, Any] | None, parsed: Layout, num_processes: int,
+               spec: dict[str, tuple[tuple[int, ...], torch.dtype]], optimizer: Any, momentum: float,
+               mixed_precision: str, deepspeed_config: Mapping[str, Any] | None, loss_fn: Any,
+               top_modules: int) -> ProcessPlan:
+    """Rank 0's plan under DeepSpeed ZeRO: the model's forward and backward on fake tensors, ZeRO's buffers by
+    rule (``hasten.memory_plan.zero``)."""
+    name = optimizer.lower() if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom")
+    if name == "sgd" and momentum:
+        name = "sgd(momentum)"
+    with fake_tensor_mode():
+        built, _ = build_model(model, model_kwargs)
+        settings = zero_settings(parsed.zero, deepspeed_config, built)
+        inputs = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in spec.items()}
+        outputs = _record_outputs(built)
+        try:
+            step = model_step(built, inputs, mixed_precision, loss_fn)
+        except PlanError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a model that cannot run this batch: one line, not a traceback
+            raise PlanError(f"the planned step failed for batch {_shapes(spec)} under layout {parsed.describe()!r} "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check the "
+                            "batch shape and the model's forward arguments.") from None
+        finally:
+            for handle in outputs.pop("__handles__", []):
+                handle.remove()
+        process = zero_process_plan(step, settings, num_processes, name)
+        return replace(process, largest_modules=_largest_modules(built, outputs, top_modules))
 
 
 @contextmanager
@@ -169,11 +245,10 @@ def _strategy(layout: Layout, config: ParallelismConfig, precision: Any,
                          world_mesh=config.device_mesh)
 
 
-def _prepare(model: nn.Module, layout: Layout, config: ParallelismConfig | None, mixed_precision: str,
+def _prepare(model: nn.Module, layout: Layout, config: ParallelismConfig | None, precision: Any,
              device_type: str, plugin: FullyShardedDataParallelPlugin) -> nn.Module:
     """``model`` with this run's precision and, when sharded, tensor parallel and FSDP2's units as hasten's
     strategy applies them (``FSDP2Strategy._shard``'s steps, minus moving and scattering real weights)."""
-    precision = create_precision(mixed_precision, "cpu")
     if config is None:
         precision.convert_module(model)
         if precision.native_amp:
@@ -196,10 +271,13 @@ def _prepare(model: nn.Module, layout: Layout, config: ParallelismConfig | None,
 def _run_step(model: nn.Module, layout: Layout, config: ParallelismConfig | None,
               spec: dict[str, tuple[tuple[int, ...], torch.dtype]],
               make_optimizer: Callable[[Any], torch.optim.Optimizer], mixed_precision: str, device_type: str,
-              plugin: FullyShardedDataParallelPlugin, loss_fn: Any, top_modules: int) -> ProcessPlan:
+              plugin: FullyShardedDataParallelPlugin, loss_fn: Any, top_modules: int,
+              accumulation_steps: int) -> ProcessPlan:
     """Prepare ``model``, run :data:`PLANNED_STEPS` steps inside torch's tracker; rank 0's plan."""
+    precision = create_precision(mixed_precision, "cpu")
+    scaler = always_stepping_grad_scaler("cpu") if mixed_precision == "fp16" else None
     try:
-        model = _prepare(model, layout, config, mixed_precision, device_type, plugin)
+        model = _prepare(model, layout, config, precision, device_type, plugin)
     except ConfigurationError as exc:  # e.g. a model without a tensor-parallel plan, or a tp size it cannot split
         raise PlanError(f"layout {layout.describe()!r} cannot prepare this model: {str(exc).splitlines()[0]}") from None
     optimizer = make_optimizer(model.parameters())
@@ -213,7 +291,8 @@ def _run_step(model: nn.Module, layout: Layout, config: ParallelismConfig | None
     try:
         with tracker:
             for _ in range(PLANNED_STEPS):
-                train_step(model, optimizer, inputs, loss_fn)
+                train_step(model, optimizer, inputs, loss_fn, scaler=scaler, accumulation_steps=accumulation_steps,
+                           after_micro_step=tracker.reset_mod_stats)
                 tracker.reset_mod_stats()  # the trackers keep one iteration's module stats; the peak stays
     except PlanError:
         raise
@@ -234,29 +313,30 @@ def _run_step(model: nn.Module, layout: Layout, config: ParallelismConfig | None
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[str, torch.Tensor],
-               loss_fn: Any = None) -> torch.Tensor:
-    """One step as a training loop runs it: forward, loss, backward, optimizer step, ``zero_grad``."""
-    output = model(inputs["input"]) if list(inputs) == ["input"] else model(**inputs)
-    loss = loss_fn(output, inputs) if loss_fn is not None else default_loss(output)
-    loss.backward()
-    optimizer.step()
+               loss_fn: Any = None, *, scaler: Any = None, accumulation_steps: int = 1,
+               after_micro_step: Callable[[], None] | None = None) -> torch.Tensor:
+    """One step as a training loop runs it: ``accumulation_steps`` forwards and backwards (FSDP2 keeps its
+    unsharded gradients without reducing them until the last, as ``accelerator.accumulate`` has it), the
+    optimizer step (through ``scaler``, a GradScaler, under fp16), ``zero_grad``. ``after_micro_step`` runs
+    between micro-batches (the trackers keep one forward's module stats at a time)."""
+    set_sync = getattr(model, "set_requires_gradient_sync", None)
+    for micro_step in range(accumulation_steps):
+        if set_sync is not None:
+            set_sync(micro_step == accumulation_steps - 1)
+        output = model(inputs["input"]) if list(inputs) == ["input"] else model(**inputs)
+        loss = loss_fn(output, inputs) if loss_fn is not None else default_loss(output)
+        if accumulation_steps > 1:
+            loss = loss / accumulation_steps
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if after_micro_step is not None and micro_step < accumulation_steps - 1:
+            after_micro_step()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The output's ``.loss`` (a transformers model given labels), else the mean of the (first) output tensor."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, (tuple, list)) and output:
-        output = output[0]
-    if isinstance(output, Mapping):
-        output = next(iter(output.values()))
-    if not isinstance(output, torch.Tensor):
-        raise PlanError(f"the model returned a {type(output).__name__} with no loss: pass loss_fn=(output, batch) "
-                        "-> loss, or labels in the batch.")
-    return output.mean()
 
 
 def ddp_bucket_bytes(model: nn.Module) -> int:

@@ -102,3 +102,52 @@ def plan_largest_batch_size(model: Any, budget_bytes: int, *, batch_size: int = 
         return plan_memory(model, batch_size=size, **plan_kwargs).peak_bytes
 
     return largest_batch_size(peak_at, budget_bytes, start=batch_size)
+
+
+
+class BatchSizePlan:
+    """``find_executable_batch_size``'s ``plan=``: called with the starting batch size, it returns the largest
+    batch size per process, at most that, whose planned step fits ``budget``.
+
+    Args:
+        model: what :func:`hasten.memory_plan.plan_memory` takes (a config folder, a class path, a factory).
+        budget: memory per process: bytes, or a size such as ``"80GiB"``.
+        plan_kwargs: any other ``plan_memory`` keyword (``seq_len``, ``num_processes``, ``layout``, ...).
+
+    The plan needs a process group of its own: inside a run that already has one, it runs in a fresh
+    interpreter (``multiprocessing``'s spawn; ``model`` must then be a path, a class path or a picklable
+    factory).
+
+    Raises:
+        PlanError: a budget that is not a size (here), or a plan that cannot be made (when called).
+
+    Example:
+        >>> @find_executable_batch_size(starting_batch_size=64, plan=BatchSizePlan(
+        ...     "llama-config", "80GiB", seq_len=2048, num_processes=8, layout="dp_shard=8"))
+        ... def train(batch_size): ...
+    """
+
+    def __init__(self, model: Any, budget: int | str, **plan_kwargs: Any) -> None:
+        from hasten.memory_plan.inputs import PlanError
+        from hasten.memory_plan.result import parse_bytes
+
+        try:
+            self.budget_bytes = budget if isinstance(budget, int) else parse_bytes(str(budget))
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        self.model = model
+        self.plan_kwargs = plan_kwargs
+
+    def __call__(self, cap: int) -> int:
+        """The largest batch size ``<= cap`` whose planned step fits (0: not even one)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            found = plan_largest_batch_size(self.model, self.budget_bytes, batch_size=cap, **self.plan_kwargs)
+        else:
+            import multiprocessing
+
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                found = pool.apply(plan_largest_batch_size, (self.model, self.budget_bytes),
+                                   {"batch_size": cap, **self.plan_kwargs})
+        return min(cap, int(found))
