@@ -28,6 +28,25 @@ def _compatible(name: str) -> bool:
     return bool(deepspeed.ops.__compatible_ops__.get(name, False))
 
 
+def _warn_about_stale_locks(max_age_s: float = 600.0) -> None:
+    """Name any lock in torch's extension cache older than ``max_age_s``.
+
+    torch's build lock is a bare file made with ``O_EXCL``: a build that was killed leaves it behind, and every
+    later load of that extension waits on it forever without a word. A lock that old is almost always such a
+    leftover; saying so turns a silent hang of ``make test`` into a line with the fix.
+    """
+    import glob
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions")
+    for lock in glob.glob(os.path.join(root, "*", "*", "lock")) + glob.glob(os.path.join(root, "*", "lock")):
+        age = time.time() - os.path.getmtime(lock)
+        if age > max_age_s:
+            print(f"build_deepspeed_ops: {lock} is {age / 60:.0f} minutes old; a build that was killed leaves it, "
+                  f"and torch then waits on it forever: if no compiler is running, delete it", file=sys.stderr,
+                  flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--marker", help="file written once every extension is ready")
@@ -39,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - best effort: report and leave the build to the tests
         print(f"build_deepspeed_ops: deepspeed unavailable ({exc}); nothing built", flush=True)
         return 0
+    _warn_about_stale_locks()
     all_ready = True
     for name in ("CPUAdamBuilder", "ShareMemCommBuilder"):
         try:
