@@ -9,6 +9,17 @@ this file adds ``tests/`` itself, so ``from helpers.checkpoints import ...`` wor
 import sys
 from pathlib import Path
 
+import pytest
+
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_in_parent() -> None:
+    """Import DeepSpeed once in the parent (``pytestmark = pytest.mark.usefixtures("deepspeed_in_parent")``),
+    so that the ranks forked from it do not each pay for the import."""
+    from hasten.testing import preload_deepspeed
+
+    preload_deepspeed()

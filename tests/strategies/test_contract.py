@@ -62,13 +62,7 @@ ROWS = _rows()
 #: inside an accumulation window is refused clearly instead of resuming differently.
 REFUSES_MID_WINDOW_SAVE = {"deepspeed"}
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _deepspeed_in_parent():
-    # Imported once in the parent so the forked ranks do not each pay for it.
-    from hasten.testing import preload_deepspeed
-
-    preload_deepspeed()
+pytestmark = pytest.mark.usefixtures("deepspeed_in_parent")  # tests/conftest.py
 
 
 def _accelerator(kind: str, **kwargs) -> Accelerator:

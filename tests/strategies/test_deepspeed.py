@@ -34,12 +34,7 @@ BATCH = 4  # per rank
 LR = 1e-2
 ATOL = 1e-5
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _deepspeed_in_parent():
-    from hasten.testing import preload_deepspeed
-
-    preload_deepspeed()
+pytestmark = pytest.mark.usefixtures("deepspeed_in_parent")  # tests/conftest.py
 
 
 def _model() -> nn.Module:
