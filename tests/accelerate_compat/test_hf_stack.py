@@ -135,6 +135,31 @@ def test_trainer_and_sft_trainer_with_pp_size_2_from_the_launch_config_equal_pp_
             assert torch.allclose(saved[name], weight, rtol=0, atol=1e-5), name
 
 
+def test_trainer_checkpoint_of_one_process_resumes_under_pp_size_2_as_the_uninterrupted_run(tmp_path):
+    """Trainer resumes a checkpoint saved without pipeline parallelism under pp_size=2, unchanged: its
+    ``optimizer.load_state_dict`` of the full model's state lands on each stage's parameters, so the resumed
+    step's loss, the evaluation loss and the final weights are the uninterrupted one-process run's (1e-5)."""
+    script = [str(SCRIPTS / "pp_trainer.py"), "--accumulation", "2", "--tied"]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "pp").mkdir()
+    config = tmp_path / "pp.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nmixed_precision: 'no'\n"
+                      "parallelism_config:\n  parallelism_config_pp_size: 2\n  parallelism_config_pp_microbatches: 2\n")
+    one = _result(run([hf_python(), *script, "--save_steps", "2", "--alias"], tmp_path / "one"))
+    checkpoint = tmp_path / "one" / "out" / "checkpoint-2"
+    pp = _result(hasten_launch(tmp_path / "pp", "--config_file", str(config), *script, "--resume", str(checkpoint)))
+    assert (one["processes"], pp["processes"], pp["pp_size"]) == (1, 2, 2)
+    assert list(pp["losses"]) == ["3"]
+    assert pp["losses"]["3"] == pytest.approx(one["losses"]["3"], rel=1e-5, abs=1e-5)
+    assert pp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    import torch
+
+    want, got = torch.load(tmp_path / "one" / "weights.pt"), torch.load(tmp_path / "pp" / "weights.pt")
+    assert sorted(got) == sorted(want)
+    for name, weight in want.items():
+        assert torch.allclose(got[name], weight, rtol=0, atol=1e-5), name
+
+
 def test_trainer_checkpoint_under_pp_size_2_is_refused_with_the_reason_and_never_hangs(tmp_path):
     """Trainer saves its checkpoints on the main process alone, where the other stages' weights cannot be
     gathered: the main process refuses (naming why and what to do), the run ends well within its timeout, and

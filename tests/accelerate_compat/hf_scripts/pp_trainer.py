@@ -2,7 +2,8 @@
 whatever the launch config's pipeline size. Rank 0 prints one ``RESULT {json}`` line with the logged losses (and
 Trainer's evaluation loss) and writes the final full weights (``accelerator.get_state_dict``) to ``weights.pt``;
 every process then calls ``accelerator.save_model`` into ``final/`` (the documented way to save under pp_size > 1).
-With ``--save_steps N`` Trainer checkpoints every N steps (refused under pp_size > 1, see docs/nd-parallelism.md).
+With ``--save_steps N`` Trainer checkpoints every N steps (refused under pp_size > 1, see docs/nd-parallelism.md);
+``--resume FOLDER`` resumes from such a checkpoint.
 
 Run under ``hasten launch`` (a config with ``parallelism_config_pp_size``) or plain ``python --alias``.
 """
@@ -16,6 +17,7 @@ parser.add_argument("--trainer", choices=["trainer", "sft"], default="trainer")
 parser.add_argument("--accumulation", type=int, default=1)
 parser.add_argument("--tied", action="store_true")
 parser.add_argument("--save_steps", type=int, default=0)
+parser.add_argument("--resume", default=None, help="a Trainer checkpoint folder to resume from")
 options = parser.parse_args()
 if options.alias:
     import hasten
@@ -95,7 +97,7 @@ def main():
         data = lm_dataset(tok)
         trainer = Trainer(model=llama(), args=TrainingArguments(per_device_eval_batch_size=8, **common),
                           train_dataset=data, eval_dataset=data[:16], callbacks=[losses])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=options.resume)
     evaluated = trainer.evaluate() if options.trainer == "trainer" else {}
     accelerator = trainer.accelerator
     weights = accelerator.get_state_dict(trainer.model_wrapped)
