@@ -50,6 +50,7 @@ from hasten.strategies.pipeline_checkpoint import (
     load_full_into_sharded,
     load_sharded,
     optimizer_layout,
+    optimizer_state_for_stage,
     save_sharded,
     stage_optimizer_state,
 )
@@ -520,24 +521,10 @@ class PipelineStrategy(Strategy):
         return layout
 
     def optimizer_state_to_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A state saved over the full model (one process's ``optimizer.state_dict()``: transformers' Trainer
-        resuming a checkpoint of a run without pipeline parallelism) re-indexed onto this stage's parameters;
-        any other state (this stage's own) unchanged.
-
-        Raises:
-            CheckpointError: a full-model state given to sharded stages (PP x FSDP2), which take it through
-                ``accelerator.load_state`` only.
-        """
-        layout = self._layouts.get(id(optimizer))
-        saved_sizes = [len(group.get("params", ())) for group in state_dict.get("param_groups", [])]
-        if (not isinstance(layout, list) or saved_sizes != [len(names) for names in layout]
-                or saved_sizes == [len(group["params"]) for group in optimizer.param_groups]):
-            return state_dict
-        if shards_stages(self.config):
-            raise CheckpointError("This optimizer state is the full model's (saved without pipeline parallelism); "
-                                  "sharded pipeline stages (dp_shard_size/tp_size) load it through "
-                                  "accelerator.load_state only, not optimizer.load_state_dict.")
-        return stage_optimizer_state(state_dict, self._runners[-1].module, optimizer, layout)
+        """A full-model optimizer state (one process's, as transformers' Trainer resumes it) re-indexed onto
+        this stage: :func:`~hasten.strategies.pipeline_checkpoint.optimizer_state_for_stage`."""
+        return optimizer_state_for_stage(state_dict, self._runners[-1].module, optimizer,
+                                         self._layouts.get(id(optimizer)), sharded=shards_stages(self.config))
 
     def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full model's state dict, gathered from every stage, on every process (all must call it)."""
