@@ -97,7 +97,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        self.optimizer.load_state_dict(state_dict)
+        # The strategy may re-index it (under pp_size > 1 a state saved over the full model, as one
+        # process saves it, onto this stage's parameters).
+        self.optimizer.load_state_dict(self._strategy.optimizer_state_to_load(self.optimizer, state_dict))
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.state_dict()

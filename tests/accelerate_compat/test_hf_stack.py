@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.hf_stack import ROOT, accelerate_python, hasten_launch, hf_python, run
+from helpers.hf_stack import ROOT, accelerate_python, hasten_launch, hf_env, hf_python, run
 
 pytestmark = pytest.mark.launch
 
@@ -122,8 +122,58 @@ def test_trainer_and_sft_trainer_with_pp_size_2_from_the_launch_config_equal_pp_
     if trainer == "trainer":  # Trainer.evaluate(): the model's loss over the logits sent from the last stage
         assert pp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
     import torch
+    from safetensors.torch import load_file
+
+    want, got = torch.load(tmp_path / "one" / "weights.pt"), torch.load(tmp_path / "pp" / "weights.pt")
+    # accelerator.save_model on every process (the documented save under pp_size > 1) writes the full model
+    saved = load_file(tmp_path / "pp" / "final" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert set(saved) <= set(want) and {n for n in want if n not in saved} <= {"lm_head.weight"}  # tied: once
+    for name, weight in want.items():
+        assert torch.allclose(got[name], weight, rtol=0, atol=1e-5), name
+        if name in saved:
+            assert torch.allclose(saved[name], weight, rtol=0, atol=1e-5), name
+
+
+def test_trainer_checkpoint_of_one_process_resumes_under_pp_size_2_as_the_uninterrupted_run(tmp_path):
+    """Trainer resumes a checkpoint saved without pipeline parallelism under pp_size=2, unchanged: its
+    ``optimizer.load_state_dict`` of the full model's state lands on each stage's parameters, so the resumed
+    step's loss, the evaluation loss and the final weights are the uninterrupted one-process run's (1e-5)."""
+    script = [str(SCRIPTS / "pp_trainer.py"), "--accumulation", "2", "--tied"]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "pp").mkdir()
+    config = tmp_path / "pp.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nmixed_precision: 'no'\n"
+                      "parallelism_config:\n  parallelism_config_pp_size: 2\n  parallelism_config_pp_microbatches: 2\n")
+    one = _result(run([hf_python(), *script, "--save_steps", "2", "--alias"], tmp_path / "one"))
+    checkpoint = tmp_path / "one" / "out" / "checkpoint-2"
+    pp = _result(hasten_launch(tmp_path / "pp", "--config_file", str(config), *script, "--resume", str(checkpoint)))
+    assert (one["processes"], pp["processes"], pp["pp_size"]) == (1, 2, 2)
+    assert list(pp["losses"]) == ["3"]
+    assert pp["losses"]["3"] == pytest.approx(one["losses"]["3"], rel=1e-5, abs=1e-5)
+    assert pp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    import torch
 
     want, got = torch.load(tmp_path / "one" / "weights.pt"), torch.load(tmp_path / "pp" / "weights.pt")
     assert sorted(got) == sorted(want)
     for name, weight in want.items():
         assert torch.allclose(got[name], weight, rtol=0, atol=1e-5), name
+
+
+def test_trainer_checkpoint_under_pp_size_2_is_refused_with_the_reason_and_never_hangs(tmp_path):
+    """Trainer saves its checkpoints on the main process alone, where the other stages' weights cannot be
+    gathered: the main process refuses (naming why and what to do), the run ends well within its timeout, and
+    no checkpoint holds one stage's weights as the model."""
+    import subprocess
+
+    config = tmp_path / "pp.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nmixed_precision: 'no'\n"
+                      "parallelism_config:\n  parallelism_config_pp_size: 2\n  parallelism_config_pp_microbatches: 2\n")
+    argv = [hf_python(), "-m", "hasten.commands.main", "launch", "--config_file", str(config),
+            str(SCRIPTS / "pp_trainer.py"), "--save_steps", "2"]
+    out = subprocess.run(argv, cwd=tmp_path, env=hf_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "ConfigurationError" in text and "on the main process alone" in text and "save_strategy='no'" in text, \
+        text[-4000:]
+    assert not list(tmp_path.glob("out/checkpoint-*/model*.safetensors"))

@@ -505,3 +505,42 @@ def test_a_checkpoint_resumes_on_another_pp_size_as_the_uninterrupted_run(save_o
         assert sorted(weights) == sorted(want_weights)
         for name, weight in want_weights.items():
             assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name
+
+
+def _resumed_from_a_plain_optimizer_state(folder: str):
+    """Steps 2-3 under pp_size=2 from one process's plain ``model.state_dict()`` and ``optimizer.state_dict()``
+    after steps 0-1, loaded as transformers' Trainer does: the weights into the model before ``prepare``, the
+    optimizer's through the prepared optimizer's ``load_state_dict``."""
+    from hasten import Accelerator, ParallelismConfig
+
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_microbatches=4,
+                                                                   pp_split_points=SPLITS[2]), cpu=True)
+    model = _model(own_loss=False)
+    model.load_state_dict(torch.load(os.path.join(folder, "model.pt")))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer, loss_fn=F.mse_loss)
+    optimizer.load_state_dict(torch.load(os.path.join(folder, "optimizer.pt")))
+    for x, y in list(zip(*(tensor.split(BATCH) for tensor in _loader_data())))[2:]:
+        accelerator.backward(model(x, labels=y))
+        optimizer.step()
+        optimizer.zero_grad()
+    return accelerator.get_state_dict(model)
+
+
+def test_a_plain_optimizer_state_of_the_full_model_loads_onto_each_stage(tmp_path):
+    """One process's ``optimizer.state_dict()`` (what Trainer saves without pipeline parallelism), loaded
+    through the prepared optimizer under pp_size=2, lands on each stage's parameters: the resumed run ends
+    with the uninterrupted one-process run's weights."""
+    model = _model(own_loss=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step, (x, y) in enumerate(zip(*(tensor.split(BATCH) for tensor in _loader_data()))):
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            torch.save(model.state_dict(), tmp_path / "model.pt")
+            torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    for weights in run_on_ranks(_resumed_from_a_plain_optimizer_state, world_size=2, args=(str(tmp_path),)):
+        assert sorted(weights) == sorted(model.state_dict())
+        for name, weight in model.state_dict().items():
+            assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name

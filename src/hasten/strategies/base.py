@@ -259,6 +259,11 @@ class Strategy:
         return (type(self).optimizer_step is Strategy.optimizer_step and type(self).zero_grad is Strategy.zero_grad
                 and self.precision.direct_optimizer_step())
 
+    def optimizer_state_to_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` in the form ``optimizer`` (prepared by this strategy) loads; the prepared
+        optimizer's ``load_state_dict`` passes its argument through here. Unchanged by default."""
+        return state_dict
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
         """Apply the update through the precision; False when it was skipped (fp16 overflow)."""
         return self.precision.optimizer_step(optimizer, closure)

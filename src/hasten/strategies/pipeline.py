@@ -50,6 +50,7 @@ from hasten.strategies.pipeline_checkpoint import (
     load_full_into_sharded,
     load_sharded,
     optimizer_layout,
+    optimizer_state_for_stage,
     save_sharded,
     stage_optimizer_state,
 )
@@ -518,6 +519,12 @@ class PipelineStrategy(Strategy):
             raise CheckpointError("This optimizer was not prepared together with the model under pp_size > 1 "
                                   "(prepare(model, optimizer) in one call), so its state cannot be named.")
         return layout
+
+    def optimizer_state_to_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A full-model optimizer state (one process's, as transformers' Trainer resumes it) re-indexed onto
+        this stage: :func:`~hasten.strategies.pipeline_checkpoint.optimizer_state_for_stage`."""
+        return optimizer_state_for_stage(state_dict, self._runners[-1].module, optimizer,
+                                         self._layouts.get(id(optimizer)), sharded=shards_stages(self.config))
 
     def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full model's state dict, gathered from every stage, on every process (all must call it)."""

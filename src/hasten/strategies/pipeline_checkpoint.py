@@ -106,6 +106,26 @@ def stage_optimizer_state(full: dict[str, Any], stage: nn.Module, optimizer: tor
     return {"state": state, "param_groups": groups}
 
 
+def optimizer_state_for_stage(state: dict[str, Any], stage: nn.Module, optimizer: torch.optim.Optimizer,
+                              layout: Any, *, sharded: bool) -> dict[str, Any]:
+    """``state`` for the stage's ``optimizer.load_state_dict``: a state saved over the full model (its groups
+    as long as ``layout``'s, not the stage's) re-indexed onto the stage's parameters; any other unchanged.
+
+    Raises:
+        CheckpointError: a full-model state given to sharded stages, which take it through
+            ``accelerator.load_state`` only.
+    """
+    saved_sizes = [len(group.get("params", ())) for group in state.get("param_groups", [])]
+    if (not isinstance(layout, list) or saved_sizes != [len(names) for names in layout]
+            or saved_sizes == [len(group["params"]) for group in optimizer.param_groups]):
+        return state
+    if sharded:
+        raise CheckpointError("This optimizer state is the full model's (saved without pipeline parallelism); "
+                              "sharded pipeline stages (dp_shard_size/tp_size) load it through accelerator.load_state "
+                              "only, not optimizer.load_state_dict.")
+    return stage_optimizer_state(state, stage, optimizer, layout)
+
+
 def named_stage_optimizer_state(state: dict[str, Any], stage: nn.Module,
                                 optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A stage's optimizer state as :func:`stage_optimizer_state` returns it (indexed) keyed by parameter names,
@@ -245,4 +265,5 @@ def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = ["OptimizerLayout", "check_shapes", "check_sharded", "full_optimizer_state", "full_weights", "load_sharded",
-           "load_full_into_sharded", "named_stage_optimizer_state", "optimizer_layout", "save_sharded", "stage_optimizer_state"]
+           "load_full_into_sharded", "named_stage_optimizer_state", "optimizer_layout",
+           "optimizer_state_for_stage", "save_sharded", "stage_optimizer_state"]

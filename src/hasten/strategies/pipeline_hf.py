@@ -448,7 +448,11 @@ def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, sta
 
 def _guard_save_pretrained(model: nn.Module) -> None:
     """The cut model's ``save_pretrained`` without a ``state_dict`` would write one stage as the whole
-    model: refuse that; with the gathered one (``accelerator.get_state_dict``) it saves as usual."""
+    model: refuse that; with the gathered one (``accelerator.get_state_dict``) it saves as usual.
+
+    The refusal cannot gather instead: the caller may be the main process alone (transformers' Trainer
+    saves so), and a gather the other stages do not join would hang.
+    """
     save_pretrained = getattr(model, "save_pretrained", None)
     if save_pretrained is None:
         return
@@ -459,7 +463,10 @@ def _guard_save_pretrained(model: nn.Module) -> None:
                 "Under pp_size > 1 this model object holds one pipeline stage; save_pretrained would write that stage "
                 "alone. Pass the full weights: model.save_pretrained(path, state_dict=accelerator.get_state_dict("
                 "model)) on every process (it gathers), or accelerator.save_model(model, path). Transformers' Trainer "
-                "saves this way: use save_strategy='no' and save with trainer.accelerator.get_state_dict.")
+                "checkpoints (save_strategy, trainer.save_model()) call save_pretrained on the main process alone, "
+                "where the other stages' weights cannot be gathered (its collective saves are FSDP's and DeepSpeed's "
+                "only): set save_strategy='no' and save the trained model with trainer.accelerator.save_model("
+                "trainer.model_wrapped, path) on every process.")
         return save_pretrained(*args, state_dict=state_dict, **kwargs)
 
     model.save_pretrained = guarded  # type: ignore[assignment]

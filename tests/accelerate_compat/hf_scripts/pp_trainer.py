@@ -1,6 +1,9 @@
 """Transformers' Trainer or TRL's SFTTrainer on a tiny Llama (from a config, synthetic text, no hub), unchanged
 whatever the launch config's pipeline size. Rank 0 prints one ``RESULT {json}`` line with the logged losses (and
-Trainer's evaluation loss) and writes the final full weights (``accelerator.get_state_dict``) to ``weights.pt``.
+Trainer's evaluation loss) and writes the final full weights (``accelerator.get_state_dict``) to ``weights.pt``;
+every process then calls ``accelerator.save_model`` into ``final/`` (the documented way to save under pp_size > 1).
+With ``--save_steps N`` Trainer checkpoints every N steps (refused under pp_size > 1, see docs/nd-parallelism.md);
+``--resume FOLDER`` resumes from such a checkpoint.
 
 Run under ``hasten launch`` (a config with ``parallelism_config_pp_size``) or plain ``python --alias``.
 """
@@ -13,6 +16,8 @@ parser.add_argument("--alias", action="store_true")
 parser.add_argument("--trainer", choices=["trainer", "sft"], default="trainer")
 parser.add_argument("--accumulation", type=int, default=1)
 parser.add_argument("--tied", action="store_true")
+parser.add_argument("--save_steps", type=int, default=0)
+parser.add_argument("--resume", default=None, help="a Trainer checkpoint folder to resume from")
 options = parser.parse_args()
 if options.alias:
     import hasten
@@ -76,8 +81,10 @@ class Losses(TrainerCallback):
 def main():
     tok = tokenizer()
     common = dict(output_dir="out", per_device_train_batch_size=4, gradient_accumulation_steps=options.accumulation,
-                  max_steps=STEPS, logging_steps=1, learning_rate=1e-2, report_to=[], seed=0, save_strategy="no",
-                  disable_tqdm=True, max_grad_norm=0.5)
+                  max_steps=STEPS, logging_steps=1, learning_rate=1e-2, report_to=[], seed=0,
+                  disable_tqdm=True, max_grad_norm=0.5,
+                  **(dict(save_strategy="steps", save_steps=options.save_steps) if options.save_steps else
+                     dict(save_strategy="no")))
     losses = Losses()
     if options.trainer == "sft":
         from datasets import Dataset
@@ -90,7 +97,7 @@ def main():
         data = lm_dataset(tok)
         trainer = Trainer(model=llama(), args=TrainingArguments(per_device_eval_batch_size=8, **common),
                           train_dataset=data, eval_dataset=data[:16], callbacks=[losses])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=options.resume)
     evaluated = trainer.evaluate() if options.trainer == "trainer" else {}
     accelerator = trainer.accelerator
     weights = accelerator.get_state_dict(trainer.model_wrapped)
@@ -100,6 +107,7 @@ def main():
         print("RESULT " + json.dumps({"processes": accelerator.num_processes, "losses": losses.losses,
                                       "eval_loss": evaluated.get("eval_loss"),
                                       "pp_size": getattr(parallelism, "pp_size", 1) or 1}), flush=True)
+    accelerator.save_model(trainer.model_wrapped, "final")  # every process: it gathers the stages
 
 
 main()
