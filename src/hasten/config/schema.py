@@ -260,7 +260,8 @@ class LaunchConfig:
             raise ConfigurationError(f"{source}: preemption_signal={self.preemption_signal!r} is not a signal. "
                                      "HINT: name one such as TERM, USR1 or SIGUSR2.")
         if self.replica_groups is not None and not 1 <= self.replica_groups <= MAX_PROCESSES:
-            raise ConfigurationError(f"{source}: replica_groups={self.replica_groups} must be at least 1.")
+            raise ConfigurationError(f"{source}: replica_groups={self.replica_groups} must be in 1..{MAX_PROCESSES}. "
+                                     "HINT: --replica_groups N with N dividing --num_processes.")
         if self.main_process_port is not None and not 0 <= self.main_process_port <= 65535:
             raise ConfigurationError(f"{source}: main_process_port={self.main_process_port} is not a TCP port "
                                      "(0..65535; 0 picks a free one).")

@@ -189,6 +189,7 @@ class ClusterConfig(BaseConfig):
     use_parallelism_config: bool | None = None
     min_machines: int | None = None
     preemption_signal: str | None = None
+    replica_groups: int | None = None
 
     def __post_init__(self) -> None:
         for block in ("fp8_config", "deepspeed_config", "fsdp_config", "parallelism_config", "megatron_lm_config",
