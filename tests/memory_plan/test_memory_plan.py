@@ -19,35 +19,11 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from hasten.testing import run_on_ranks
+from helpers.memory_models import TinyNet
 
 PEAK_TOLERANCE = 0.02
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class TinyNet(nn.Module):
-    _no_split_modules = ["Block"]  # FSDP2 units, as a transformers model names its blocks
-
-    def __init__(self, width: int = 128, depth: int = 4) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 BATCH = (64, 128)

@@ -16,9 +16,9 @@ accumulation plans run the real step's code on fake tensors: ``PEAK_TOLERANCE`` 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hasten.testing import run_on_ranks
+from helpers.memory_models import TinyNet
 
 ZERO_TOLERANCE = 0.04
 PEAK_TOLERANCE = 0.02
@@ -26,30 +26,6 @@ BATCH = (64, 128)
 #: Sizes small enough that the parameters, master copy and optimizer state matter next to the bucket.
 ZERO_SIZES = {"reduce_bucket_size": 50_000, "stage3_prefetch_bucket_size": 50_000,
               "stage3_param_persistence_threshold": 1000}
-
-
-class _Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class ZeroNet(nn.Module):
-    _no_split_modules = ["_Block"]
-
-    def __init__(self, width: int = 128, depth: int = 4) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 # (layout, mixed precision, optimizer, gradient accumulation steps)
@@ -85,7 +61,7 @@ def _measure(cases: list) -> list:
             accelerator = Accelerator(mixed_precision=precision, fsdp_plugin=plugin,
                                       gradient_accumulation_steps=accumulation)
         _, make = make_optimizer_factory(optimizer, foreach=False)
-        results.append(measure_step_memory(accelerator, ZeroNet(), make, {"input": x}))
+        results.append(measure_step_memory(accelerator, TinyNet(), make, {"input": x}))
     return results
 
 
@@ -94,7 +70,7 @@ def _plan(case: tuple):
 
     layout, precision, optimizer, accumulation = case
     zero = {"deepspeed_config": _zero_config(layout)} if layout.startswith("zero") else {}
-    return plan_memory(ZeroNet, batch=torch.empty(*BATCH, device="meta"), num_processes=2, layout=layout,
+    return plan_memory(TinyNet, batch=torch.empty(*BATCH, device="meta"), num_processes=2, layout=layout,
                        mixed_precision=precision, optimizer=optimizer, device_type="cpu",
                        gradient_accumulation_steps=accumulation, **zero)
 
@@ -132,10 +108,10 @@ def test_zero_shards_what_each_stage_shards():
         config = {"zero_optimization": {"reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 0,
                                         "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0,
                                         "stage3_prefetch_bucket_size": 0}}  # ZeRO-3 gathers nothing ahead
-        return plan_memory(ZeroNet, batch=torch.empty(*BATCH, device="meta"), num_processes=world,
+        return plan_memory(TinyNet, batch=torch.empty(*BATCH, device="meta"), num_processes=world,
                            layout=f"zero={stage}", device_type="cpu", deepspeed_config=config).per_process[0]
 
-    weights = sum(p.numel() * 4 for p in ZeroNet().parameters())
+    weights = sum(p.numel() * 4 for p in TinyNet().parameters())
     two, four = plan(2, 2), plan(2, 4)
     assert two.parameters == four.parameters == weights
     assert two.optimizer_state == 2 * four.optimizer_state == 3 * weights // 2  # fp32 master + Adam's two states

@@ -282,36 +282,26 @@ def test_pp2_by_fsdp2_of_a_transformers_model_equals_data_parallel():
     assert set().union(*results) == set(want)
 
 
-def _prepare_tied_under_fsdp2() -> str:
+def _prepare_message(tied: bool, config_kwargs: dict) -> str:
+    """What ``prepare`` of the Llama under ``ParallelismConfig(**config_kwargs)`` raises (or "prepared")."""
     from hasten import Accelerator, ParallelismConfig
 
-    config = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_microbatches=2)
-    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(**config_kwargs), cpu=True)
     try:
-        accelerator.prepare(_llama(tied=True))
+        accelerator.prepare(_llama(tied=tied))
     except Exception as error:  # noqa: BLE001 - the message is the result
         return f"{type(error).__name__}: {error}"
     return "prepared"
 
 
 def test_tied_embeddings_under_pp_by_fsdp2_are_refused_at_prepare_with_the_fix():
-    for message in run_on_ranks(_prepare_tied_under_fsdp2, world_size=4):
+    for message in run_on_ranks(_prepare_message, world_size=4,
+                                args=(True, {"pp_size": 2, "dp_shard_size": 2, "pp_microbatches": 2})):
         assert message.startswith("ConfigurationError") and "tie_word_embeddings=False" in message
 
 
-def _prepare_under_interleaved() -> str:
-    from hasten import Accelerator, ParallelismConfig
-
-    config = ParallelismConfig(pp_size=2, pp_schedule="Interleaved1F1B", pp_microbatches=2)
-    accelerator = Accelerator(parallelism_config=config, cpu=True)
-    try:
-        accelerator.prepare(_llama(tied=False))
-    except Exception as error:  # noqa: BLE001 - the message is the result
-        return f"{type(error).__name__}: {error}"
-    return "prepared"
-
-
 def test_a_schedule_with_several_stages_per_process_is_refused_for_a_model_cut_by_its_plan():
-    for message in run_on_ranks(_prepare_under_interleaved, world_size=2):
+    for message in run_on_ranks(_prepare_message, world_size=2, args=(
+            False, {"pp_size": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2})):
         assert message.startswith("ConfigurationError") and "pp_schedule='Interleaved1F1B'" in message
         assert "'1F1B' or 'GPipe'" in message
