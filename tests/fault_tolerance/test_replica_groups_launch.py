@@ -197,13 +197,17 @@ def test_epoch_sees_every_sample_exactly_once(killed_run: KilledRun) -> None:
 
 
 SAVE = '''
-import hashlib, json, os
+import dataclasses, hashlib, json, os
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from hasten import Accelerator
+from hasten.fault_tolerance import FaultToleranceConfig
 
 out = os.environ["FT_OUT"]
-accelerator = Accelerator(cpu=True)
+# Both groups in every committed step (a group alone does not commit; it retries until the other joins), so that
+# both reach the save's step: every process of both groups calls save_state there.
+config = FaultToleranceConfig.from_json(os.environ["HASTEN_FAULT_TOLERANCE"])
+accelerator = Accelerator(cpu=True, fault_tolerance=dataclasses.replace(config, min_replicas=2))
 group, rank = os.environ["HASTEN_REPLICA_GROUP"], accelerator.process_index
 torch.manual_seed(0)
 features = torch.randn(64, 8)
