@@ -145,7 +145,8 @@ class KilledRun:
 # (its agent stops its peer; the group restarts as a whole). Samples scale with the group size: the same steps.
 # Known defect (2x2, rank 1 killed): group 1's main process stays alive for a while and keeps the group in the
 # Lighthouse's view, so the survivors' next quorum times out (TimeoutError in start_quorum), the survivors crash too,
-# and both groups restart with no live peer: the run starts again from step 1 and the weights do not end equal.
+# and both groups restart with no live peer: the run starts again from step 1 (samples seen twice; the weights may
+# not end equal).
 _RANK1_DEFECT = pytest.mark.xfail(reason="a survivor's quorum times out while the killed group's main process lives "
                                          "(docs/fault-tolerance.md, known limits)", strict=False)
 
