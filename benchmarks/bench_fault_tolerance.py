@@ -10,6 +10,10 @@ machinery and not this shared machine's load). One process SIGKILLs itself at co
   and ``prepare`` -> first commit: Manager, quorum, heal, one step), kill -> that commit, whether
   the final weights of all 4 processes are bit-equal, and the epoch's sample ids over the committed steps
   (duplicates, missing).
+  With ``--restart-at STEP`` (issue 38's drill: killed at step 20, restarted at step 30) the restarted group's
+  processes first wait until the survivors committed ``STEP`` (polling their step log), and the restart times
+  count from then; restart-and-resume still restarts at once (with no survivor, a later restart only idles
+  every process longer).
 - restart-and-resume: ``hasten launch --num_processes 4 --max_restarts 1``, ``save_state`` every
   ``--checkpoint-every`` steps; the agent restarts every process, which load the newest checkpoint and skip the
   batches already seen.
@@ -42,7 +46,24 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r'''
 import time
 T0 = time.time()
-import hashlib, json, os, signal, sys
+import glob, hashlib, json, os, signal, sys
+
+def wait_for_survivors(out, step):
+    """A restarted group's process under --restart-at: back only once the survivors committed ``step``."""
+    while True:
+        for path in glob.glob(os.path.join(out, "steps_g0_*.jsonl")):
+            with open(path) as f:
+                for line in f:
+                    row = json.loads(line) if line.endswith("\n") else {}
+                    if row.get("event") == "step" and row["committed"] and row["step"] >= step:
+                        return
+        time.sleep(0.05)  # a benchmark's poll of another process's progress file
+
+RELEASED = T0
+if sys.argv[1] == "ft" and int(sys.argv[7]) and os.environ.get("HASTEN_REPLICA_GROUP") == "1" and \
+        os.path.exists(os.path.join(sys.argv[2], "killed")):
+    wait_for_survivors(sys.argv[2], int(sys.argv[7]))
+    RELEASED = time.time()  # the restart, as the drill schedules it: heal times are measured from here
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from hasten import Accelerator, ProjectConfiguration
@@ -63,7 +84,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 T_PREPARE = time.time()  # the replica group joins its first quorum (and heals) inside prepare
 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 log = open(os.path.join(out, f"steps_g{group}_r{rank}_{os.getpid()}.jsonl"), "a", buffering=1)
-log.write(json.dumps({"event": "start", "t": T0, "prepare": T_PREPARE, "prepared": time.time()}) + "\n")
+log.write(json.dumps({"event": "start", "t": T0, "released": RELEASED, "prepare": T_PREPARE,
+                      "prepared": time.time()}) + "\n")
 step = 0
 if mode == "resume":
     folder = os.path.join(project, "checkpoints")
@@ -116,7 +138,7 @@ def launch(mode: str, out: Path, args: argparse.Namespace, kill: bool) -> float:
         ["--max_restarts", "1"]
     command = [sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes", "4", *flags,
                str(script), mode, str(out), str(args.samples), str(args.step_s), str(args.kill_at if kill else 0),
-               str(args.checkpoint_every)]
+               str(args.checkpoint_every), str(args.restart_at if kill else 0)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     started = time.time()
     with open(out / "launch.log", "w") as log:
@@ -156,7 +178,8 @@ def replica_figures(out: Path) -> dict[str, Any]:
         commits = [row["t"] for row in rows if row["event"] == "step" and row["committed"]]
         if commits:
             start = rows[0]
-            heal.append((commits[0] - start["t"], start["prepare"] - start["t"], commits[0] - start["prepare"],
+            restart = start["released"]  # the process start, or the end of its --restart-at wait
+            heal.append((commits[0] - restart, start["prepare"] - restart, commits[0] - start["prepare"],
                          commits[0] - killed_at))
     finals = [json.loads(path.read_text()) for path in out.glob("final_*.json")]
     by_step = collections.Counter(i for rows in logs.values() for row in rows
@@ -191,6 +214,10 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.25)
     parser.add_argument("--kill-at", type=int, default=20)
     parser.add_argument("--checkpoint-every", type=int, default=8)
+    parser.add_argument("--restart-at", type=int, default=0,
+                        help="replica groups: the restarted group's processes wait until the survivors committed "
+                             "this step (issue 38's drill: killed at 20, restarted at 30); heal times count from "
+                             "then. 0: at once (the launcher's restart)")
     parser.add_argument("--step-timeout", type=float, default=5.0)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=None)
@@ -208,8 +235,12 @@ def main() -> None:
     # first healed commit; under restart-and-resume every process until it is back at the step it had reached.
     idle_ft = 2 * figures["kill_to_survivor_commit_s"] + 2 * (figures["kill_to_healed_commit_s"] or 0.0)
     idle_resume = 4 * (resumed["kill_to_back_at_kill_step_s"] or 0.0)
+    # With --restart-at, the lost group's scheduled outage (kill -> restart) is the drill's, not the machinery's.
+    idle_ft_after_restart = 2 * figures["kill_to_survivor_commit_s"] + 2 * (figures["restart_to_healed_commit_s"]
+                                                                             or 0.0)
     result = {**figures, **resumed, "samples": args.samples,
-              "replica_groups_idle_process_s": idle_ft, "restart_resume_idle_process_s": idle_resume,
+              "replica_groups_idle_process_s": idle_ft, "restart_at": args.restart_at,
+              "replica_groups_idle_process_s_outage_excluded": idle_ft_after_restart, "restart_resume_idle_process_s": idle_resume,
               "replica_groups_seconds_lost": lost["ft"], "restart_resume_seconds_lost": lost["resume"],
               "replica_groups_process_seconds_lost": 4 * lost["ft"],
               "restart_resume_process_seconds_lost": 4 * lost["resume"],

@@ -137,3 +137,29 @@ def test_batches_without_an_optimizer_step_are_refused() -> None:
     next(iterator)
     with pytest.raises(ConfigurationError, match="without an optimizer.step"):
         next(iterator)
+
+
+def test_a_state_loaded_at_another_cursor_resumes_at_its_position() -> None:
+    """save_state's loader state, loaded in a new launch (whose torchft cursor starts again at 0) or later in the
+    same run, continues with the batch after the saved step, not at the epoch's start or past its end."""
+    first = _Group()
+    loader = _loader(first, 40)
+    read: list[list[int]] = []
+    state: dict[str, int] = {}
+    batches = iter(loader)
+    for _ in range(10):
+        read.append(next(batches)[0].tolist())
+        first.steps_committed += 1
+        first.manager.committed += 1
+        if len(read) == 4:
+            state = loader.state_dict()
+    second = _Group()  # a new run: nothing committed yet
+    resumed = _loader(second, 40)
+    resumed.load_state_dict(state)
+    again: list[list[int]] = []
+    batches = iter(resumed)
+    for _ in range(6):
+        again.append(next(batches)[0].tolist())
+        second.steps_committed += 1
+        second.manager.committed += 1
+    assert again == read[4:10]

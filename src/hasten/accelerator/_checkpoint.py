@@ -1,7 +1,9 @@
 """``save_state`` / ``load_state`` / ``save_model`` and friends on the Accelerator.
 
 **Every process must call ``save_state`` and ``load_state``** (not only the main process): they
-synchronise, and each process saves and restores its own random generators.
+synchronise, and each process saves and restores its own random generators. Under replica groups
+(``hasten launch --replica_groups N``) one live group writes each checkpoint and the others skip the save
+(:func:`hasten.accelerator._fault_tolerance.skips_checkpoint_writes`); every group can load it.
 
 The protocol (layout, staging, sealing, publication, rotation; checks, then apply with undo) belongs
 to :class:`hasten.checkpointing.manager.CheckpointManager`; this mixin hands it the Accelerator's objects.
@@ -17,10 +19,12 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hasten.accelerator._base import AcceleratorBase
+from hasten.accelerator._fault_tolerance import skips_checkpoint_writes
 from hasten.accelerator._preemption import no_stop_inside
 from hasten.accelerator_state_files import check_load_kwargs
 from hasten.checkpointing import write_model_files
 from hasten.checkpointing.manager import CheckpointManager, Ranks, TrainingObjects
+from hasten.checkpointing.naming import checkpoints_root
 from hasten.state_helpers import writes_shared_files
 
 
@@ -67,9 +71,25 @@ class CheckpointMixin(AcceleratorBase):
             ConfigurationError: a keyword argument nothing would use (named), before anything is written.
             CheckpointError: the save failed on some process: the same message on every process.
         """
+        if skips_checkpoint_writes(self):  # replica groups: another live group writes this checkpoint
+            return self._checkpoint_written_elsewhere(output_dir, save_model_func_kwargs)
         return self._checkpoint_manager().save(
             self._training_objects(), output_dir, config=self.project_configuration, writer=self._writes_shared_files(),
             safe_serialization=safe_serialization, async_save=async_save, engine_kwargs=save_model_func_kwargs)
+
+    def _checkpoint_written_elsewhere(self, output_dir: str | os.PathLike[str] | None,
+                                      engine_kwargs: dict[str, Any]) -> Path:
+        """``save_state`` on a replica group that does not write: the same checks and counter, no file, no
+        collective; the folder the writing group publishes (under automatic naming, the one this counter names)."""
+        manager = self._checkpoint_manager()
+        manager.wait()
+        manager.models.engine_checkpoint_kwargs("save_state", engine_kwargs)
+        config = self.project_configuration
+        if not config.automatic_checkpoint_naming:
+            return manager._target(output_dir, config)  # no disk read and no collective without automatic naming
+        target = checkpoints_root(config.project_dir) / f"checkpoint_{config.iteration}"
+        config.iteration += 1
+        return target
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the save started with ``save_state(..., async_save=True)`` is published (hasten).
@@ -82,6 +102,8 @@ class CheckpointMixin(AcceleratorBase):
             self._checkpoints.wait()
 
     def _writes_shared_files(self) -> bool:
+        if skips_checkpoint_writes(self):  # replica groups: one group writes what all of them hold
+            return False
         return writes_shared_files(self.project_configuration.save_on_each_node)  # the one rule (state_helpers)
 
     @no_stop_inside

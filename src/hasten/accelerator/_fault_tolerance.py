@@ -34,6 +34,26 @@ def resolve_fault_tolerance(value: Any) -> FaultToleranceConfig | None:
     raise ConfigurationError(f"Accelerator(fault_tolerance={value!r}) must be a FaultToleranceConfig, True or None.")
 
 
+def skips_checkpoint_writes(accelerator: Any) -> bool:
+    """Whether this process's replica group leaves ``save_state`` (and ``save_model``) to another group.
+
+    After a committed step every group holds the same state, and every group's main process is a main process:
+    without this, every group would write (and clear the staging folder of) the same checkpoint folder. The group
+    with participant rank 0 in the latest quorum (the lowest replica id among the live groups; the Lighthouse gives
+    the same answer to every process of every group in that quorum) writes; the others skip the save, with no
+    collective across groups. If the writing group dies, the next quorum names another one. Before the replica
+    group is built (no optimizer prepared yet) group 0 writes.
+    """
+    if getattr(accelerator, "_fault_tolerance", None) is None:
+        return False
+    group = getattr(accelerator, "_replica_group", None)
+    if group is None:
+        from hasten.config.env import REPLICA_GROUP_VAR, replica_group_env
+
+        return int(replica_group_env().get(REPLICA_GROUP_VAR, "0")) != 0
+    return not group.writes_checkpoints()
+
+
 class FaultToleranceMixin(AcceleratorBase):
     """The replica group of a fault-tolerant run, and the state a restarted group heals from."""
 

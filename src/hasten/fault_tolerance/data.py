@@ -87,12 +87,21 @@ class ReplicaGroupLoader:
         """Accepted for Accelerate compatibility; the epoch follows the cursor (it is healed with it)."""
 
     def state_dict(self) -> dict[str, int]:
-        """The epoch and its starting cursor (sent to a healing peer)."""
-        return {"epoch": self.epoch, "epoch_start": self.epoch_start}
+        """The epoch, its starting cursor and the cursor now (sent to a healing peer; written by ``save_state``)."""
+        return {"epoch": self.epoch, "epoch_start": self.epoch_start,
+                "batches_committed": self._group().manager.batches_committed()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Load :meth:`state_dict`'s output."""
-        self.epoch, self.epoch_start = int(state["epoch"]), int(state["epoch_start"])
+        """Load :meth:`state_dict`'s output, keeping its position within the epoch.
+
+        When healing, torchft has already set the cursor to the peer's, so nothing moves. A checkpoint loaded
+        later in the run, or in a new launch (whose cursor started again at 0), was saved at another cursor:
+        the epoch's start moves by the difference, so that the next batch is the one after the saved step's.
+        """
+        shift = 0
+        if "batches_committed" in state:
+            shift = self._group().manager.batches_committed() - int(state["batches_committed"])
+        self.epoch, self.epoch_start = int(state["epoch"]), int(state["epoch_start"]) + shift
 
     def __iter__(self) -> Iterator[Any]:
         group = self._group()

@@ -133,6 +133,13 @@ class ReplicaGroup:
         rank = self.manager.participating_rank()
         return self.manager.batches_committed(), (rank if rank is not None else -1), self.manager.num_participants()
 
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the run's checkpoints: participant 0 of the latest quorum (no new quorum).
+
+        The same answer on every process of the group, and exactly one group of a quorum says True.
+        """
+        return bool(self.manager.participating_rank() == 0)  # None before the first quorum
+
     def shutdown(self) -> None:
         """Stop torchft's threads and servers (the process exits without waiting for them)."""
         self.manager.shutdown(wait=False)
