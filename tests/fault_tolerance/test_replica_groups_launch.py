@@ -143,16 +143,12 @@ class KilledRun:
 
 # 2 groups x 1 process (issue 38's acceptance line), and 2 groups x 2 processes where one process of group 1 dies
 # (its agent stops its peer; the group restarts as a whole). Samples scale with the group size: the same steps.
-# Known defect (2x2, rank 1 killed): group 1's main process stays alive for a while and keeps the group in the
-# Lighthouse's view, so the survivors' next quorum times out (TimeoutError in start_quorum), the survivors crash too,
-# and both groups restart with no live peer: the run starts again from step 1 (samples seen twice; the weights may
-# not end equal).
-_RANK1_DEFECT = pytest.mark.xfail(reason="a survivor's quorum times out while the killed group's main process lives "
-                                         "(docs/fault-tolerance.md, known limits)", strict=False)
-
-
-@pytest.fixture(scope="module", params=[(2, 0), (4, 0), pytest.param((4, 1), marks=_RANK1_DEFECT)],
-                ids=["2x1", "2x2", "2x2-rank1"])
+# Known defect, not run here (docs/fault-tolerance.md, known limits): with 2 x 2 and group 1's *rank 1* killed
+# (params (4, 1)), group 1's main process stays alive for a while and keeps the group in the Lighthouse's view, so
+# the survivors' next quorum times out (TimeoutError in start_quorum), the survivors crash too, and both groups
+# restart with no live peer: the run starts again from step 1 (samples seen twice). Reproduced 3 of 3 times; a
+# non-strict xfail could not fail, so the case stays out of the suite until the fix lands with it.
+@pytest.fixture(scope="module", params=[(2, 0), (4, 0)], ids=["2x1", "2x2"])
 def killed_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KilledRun]:
     processes, kill_rank = request.param
     samples = SAMPLES * processes // 2
