@@ -126,10 +126,11 @@ CHECK = textwrap.dedent("""
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     weight = model.weight
     local = weight.to_local() if hasattr(weight, "to_local") else weight
-    print("STATE " + json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
-                                 "mixed_precision": accelerator.mixed_precision,
-                                 "distributed_type": str(accelerator.distributed_type),
-                                 "sharded_rows": local.shape[0], "device": accelerator.device.type}), flush=True)
+    # a file per rank: two ranks' printed lines can interleave on the shared stdout
+    with open(f"state_{accelerator.process_index}.json", "w") as out:
+        json.dump({"rank": accelerator.process_index, "world": accelerator.num_processes,
+                   "mixed_precision": accelerator.mixed_precision, "distributed_type": str(accelerator.distributed_type),
+                   "sharded_rows": local.shape[0], "device": accelerator.device.type}, out)
 """)
 
 
@@ -146,7 +147,7 @@ def _torchrun(tmp_path, arguments):
                            str(script), json.dumps(arguments)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
-    states = [json.loads(line.split("STATE ", 1)[1]) for line in done.stdout.splitlines() if "STATE " in line]
+    states = [json.loads(path.read_text()) for path in tmp_path.glob("state_*.json")]
     return sorted(states, key=lambda s: s["rank"]), done.stderr
 
 
