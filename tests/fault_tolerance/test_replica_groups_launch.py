@@ -116,14 +116,7 @@ def run_launch(out: Path, script: Path, *flags: str, timeout: float = 300) -> su
                 proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
-        for pid in _processes_with(tag):  # torchrun's workers run in sessions of their own
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill_everything(tag, proc)
     return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
 
 
@@ -315,14 +308,18 @@ def test_sigterm_to_the_launcher_stops_every_group_worker_and_the_lighthouse(tmp
         assert "every replica group was stopped" in output
         assert [pid for pid in started if os.path.exists(f"/proc/{pid}") and _alive(pid)] == []
     finally:
-        for pid in _processes_with(tag):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill_everything(tag, proc)
+
+def _kill_everything(tag: str, proc: subprocess.Popen) -> None:
+    """SIGKILL every process started with ``tag`` (torchrun's workers run in sessions of their own) and the launcher."""
+    for pid in _processes_with(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def _alive(pid: int) -> bool:
