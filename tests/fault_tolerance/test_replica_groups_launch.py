@@ -310,6 +310,7 @@ def test_sigterm_to_the_launcher_stops_every_group_worker_and_the_lighthouse(tmp
     finally:
         _kill_everything(tag, proc)
 
+
 def _kill_everything(tag: str, proc: subprocess.Popen) -> None:
     """SIGKILL every process started with ``tag`` (torchrun's workers run in sessions of their own) and the launcher."""
     for pid in _processes_with(tag):
