@@ -87,22 +87,38 @@ class FaultToleranceMixin(AcceleratorBase):
         group.begin_step()
         return group
 
-    def _replica_state(self) -> dict[str, Any]:
-        from hasten.fault_tolerance.replica import rng_state
+    def _average_replica_gradients(self) -> None:
+        """Average the step's gradients over the replica groups now (before clipping), not at the optimizer step.
 
-        return {"models": [self.unwrap_model(model).state_dict() for model in self._models],  # type: ignore[attr-defined]
-                "optimizers": [optimizer.optimizer.state_dict() for optimizer in self._optimizers],
+        Clipping then sees the gradient of the whole global batch, as in a run without replica groups; under
+        FSDP2 the strategy's norm also spans every shard of the group. No-op without replica groups.
+        """
+        if self._replica_group is not None:
+            self._replica_group.average_gradients(
+                [p for optimizer in self._optimizers for group in optimizer.optimizer.param_groups for p in group["params"]])
+
+    def _replica_state(self) -> dict[str, Any]:
+        """The state a healing peer loads; sharded tensors (FSDP2, TP) as this rank's local shards."""
+        from hasten.fault_tolerance.replica import rng_state
+        from hasten.fault_tolerance.shards import to_local_state
+
+        return {"models": [to_local_state(self.unwrap_model(model).state_dict())  # type: ignore[attr-defined]
+                           for model in self._models],
+                "optimizers": [to_local_state(optimizer.optimizer.state_dict()) for optimizer in self._optimizers],
                 "schedulers": [scheduler.state_dict() for scheduler in self._schedulers],
                 "loaders": [loader.state_dict() for loader in self._dataloaders if hasattr(loader, "state_dict")],
                 "rng": rng_state()}
 
     def _load_replica_state(self, state: dict[str, Any]) -> None:
         from hasten.fault_tolerance.replica import set_rng_state
+        from hasten.fault_tolerance.shards import model_state_from_local, optimizer_state_from_local
 
         for model, saved in zip(self._models, state["models"]):
-            self.unwrap_model(model).load_state_dict(saved)  # type: ignore[attr-defined]
+            inner = self.unwrap_model(model)  # type: ignore[attr-defined]
+            inner.load_state_dict(model_state_from_local(saved, inner.state_dict()))
         for optimizer, saved in zip(self._optimizers, state["optimizers"]):
-            optimizer.optimizer.load_state_dict(saved)
+            params = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+            optimizer.optimizer.load_state_dict(optimizer_state_from_local(saved, params))
         for scheduler, saved in zip(self._schedulers, state["schedulers"]):
             scheduler.load_state_dict(saved)
         loaders = [loader for loader in self._dataloaders if hasattr(loader, "state_dict")]
