@@ -1,6 +1,6 @@
-"""Replica groups whose processes shard the model with FSDP2 (``--use_fsdp`` inside each group of 2 processes).
+"""Replica groups whose processes shard the model: FSDP2 (``--use_fsdp``) or tensor parallel in each group of 2.
 
-(a) 2 groups x 2 processes, no failure: the final weights and every step's clipped gradient norm equal a plain
+(a) 2 groups x 2 processes (FSDP2, or TP), no failure: the final weights and every step's clipped gradient norm equal a plain
 single-process run over the same global batches (the cross-group all-reduce runs on each rank's local shards;
 clipping sees the full model's gradient averaged over every group). (b) the same layout with one process
 SIGKILLing itself: the run exits 0, its group restarts and heals its shards from the same ranks of the live
@@ -32,12 +32,18 @@ import dataclasses, hashlib, json, os, signal, time
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
-from hasten import Accelerator
+from hasten import Accelerator, ParallelismConfig
 from hasten.fault_tolerance import FaultToleranceConfig
+from hasten.utils import TorchTensorParallelConfig
 
 out = os.environ["FT_OUT"]
 config = FaultToleranceConfig.from_json(os.environ["HASTEN_FAULT_TOLERANCE"])
-accelerator = Accelerator(cpu=True, fault_tolerance=dataclasses.replace(config, min_replicas=MIN_REPLICAS_HERE))
+layout = {}
+if TP_HERE:  # tensor parallel over the group's 2 processes (they read the same batches)
+    layout["parallelism_config"] = ParallelismConfig(tp_size=2, tp_handler=TorchTensorParallelConfig(
+        tp_plan={"0": "colwise", "2": "rowwise"}))
+accelerator = Accelerator(cpu=True, fault_tolerance=dataclasses.replace(config, min_replicas=MIN_REPLICAS_HERE),
+                          **layout)
 group, rank = os.environ["HASTEN_REPLICA_GROUP"], accelerator.process_index
 torch.manual_seed(0)
 features = torch.randn(SAMPLES_HERE, 8)
@@ -77,23 +83,24 @@ with open(os.path.join(out, f"final_g{group}_r{rank}_{os.getpid()}.json"), "w") 
 '''
 
 
-def train_script(*, kill: bool) -> str:
+def train_script(*, kill: bool, tp: bool = False) -> str:
     """(a) without a kill: both groups in every step, the same initial weights, the dataset in order; (b) with
     one: group 1's rank 0 kills itself at step 6, the groups start from different weights, shuffled data."""
     values = {"MIN_REPLICAS": 1 if kill else 2, "SAMPLES": KILL_SAMPLES if kill else SAMPLES, "BATCH": BATCH, "SHUFFLE": kill,
-              "SEED_STEP": 100 if kill else 0, "CLIP": CLIP, "KILL": kill, "SLEEP": 0.3 if kill else 0.0}
+              "SEED_STEP": 100 if kill else 0, "CLIP": CLIP, "KILL": kill, "TP": tp, "SLEEP": 0.3 if kill else 0.0}
     script = TRAIN_TEMPLATE
     for name, value in values.items():
         script = script.replace(f"{name}_HERE", repr(value))
     return script
 
 
-def launch(out: Path, *, kill: bool) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run the script over 2 groups x 2 FSDP2 processes; (output, committed step rows, final records)."""
+def launch(out: Path, *, kill: bool, tp: bool = False) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run the script over 2 groups x 2 processes (FSDP2, or TP); (output, committed step rows, final records)."""
     script = out / "train.py"
-    script.write_text(train_script(kill=kill))
-    proc = run_launch(out, script, "--num_processes", "4", "--replica_groups", "2", "--use_fsdp",
-                      "--fsdp_version", "2", "--step_timeout", "5", timeout=400)
+    script.write_text(train_script(kill=kill, tp=tp))
+    sharding = () if tp else ("--use_fsdp", "--fsdp_version", "2")
+    proc = run_launch(out, script, "--num_processes", "4", "--replica_groups", "2", *sharding, "--step_timeout", "5",
+                      timeout=400)
     assert proc.returncode == 0, proc.stdout[-5000:]
     rows = [json.loads(line) for path in sorted(out.glob("steps_*.jsonl")) for line in path.read_text().splitlines()]
     finals = [json.loads(path.read_text()) for path in sorted(out.glob("final_*.json"))]
@@ -102,8 +109,8 @@ def launch(out: Path, *, kill: bool) -> tuple[str, list[dict[str, Any]], list[di
     return proc.stdout, [row for row in rows if row["committed"]], finals
 
 
-def plain_run() -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, no hasten: the same data, initial weights and optimizer, 16 samples per step in order."""
+def plain_run(step: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, no hasten: the same data, initial weights and optimizer, ``step`` samples per step in order."""
     torch.manual_seed(0)
     features = torch.randn(SAMPLES, 8)
     targets = torch.tanh(features @ torch.randn(8, 2))
@@ -111,7 +118,6 @@ def plain_run() -> tuple[dict[str, torch.Tensor], list[float]]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     norms = []
-    step = 4 * BATCH
     for start in range(0, SAMPLES, step):
         x, y = features[start:start + step], targets[start:start + step]
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -122,9 +128,11 @@ def plain_run() -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 @pytest.mark.launch
-def test_fsdp2_groups_without_failure_equal_a_plain_run(tmp_path: Path) -> None:
-    output, rows, finals = launch(tmp_path, kill=False)
-    expected, expected_norms = plain_run()
+@pytest.mark.parametrize("tp", [False, True], ids=["fsdp2", "tp"])
+def test_sharded_groups_without_failure_equal_a_plain_run(tmp_path: Path, tp: bool) -> None:
+    output, rows, finals = launch(tmp_path, kill=False, tp=tp)
+    # FSDP2: the 4 processes read 4 batches per step; TP: a group's 2 processes share one batch
+    expected, expected_norms = plain_run((2 if tp else 4) * BATCH)
     assert max(expected_norms) > CLIP  # the clip acts in some steps
     steps = sorted({row["step"] for row in rows})
     assert len(steps) == len(expected_norms), output[-3000:]

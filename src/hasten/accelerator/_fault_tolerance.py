@@ -132,7 +132,9 @@ class FaultToleranceMixin(AcceleratorBase):
         from hasten.config.env import NUM_REPLICA_GROUPS_VAR, replica_group_env
         from hasten.fault_tolerance.data import ReplicaGroupLoader
 
-        return ReplicaGroupLoader(data_loader, self._attach_replica_group, self.process_index,  # type: ignore[attr-defined]
-                                  self.num_processes, self.device if placement else None,  # type: ignore[attr-defined]
+        # The group's data-parallel ranks read different samples; tensor/context-parallel ranks share theirs.
+        num_shards, shard_index = self._data_parallel_position()
+        return ReplicaGroupLoader(data_loader, self._attach_replica_group, shard_index, num_shards,
+                                  self.device if placement else None,  # type: ignore[attr-defined]
                                   num_groups=int(replica_group_env().get(NUM_REPLICA_GROUPS_VAR, "1")),
                                   accumulation_steps=lambda: self.gradient_accumulation_steps)
