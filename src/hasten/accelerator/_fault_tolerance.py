@@ -54,6 +54,28 @@ def skips_checkpoint_writes(accelerator: Any) -> bool:
     return not group.writes_checkpoints()
 
 
+def check_replica_layout(distributed_type: Any, parallelism_config: Any) -> None:
+    """Refuse, at ``prepare``, a layout inside the replica groups that the cross-group step cannot serve.
+
+    Works: DDP, FSDP2 and tensor parallel (any DTensor layout that is the same in every group), where each rank's
+    local gradient shards are averaged with the same rank of the other groups.
+
+    Raises:
+        ConfigurationError: DeepSpeed (its engine reduces the gradients and steps the optimizer itself, so
+            neither the cross-group average nor the commit vote can run between them), or pipeline parallel
+            (its stages step and hold state apart from hasten's prepared model; not supported in this version).
+    """
+    if distributed_type == "DEEPSPEED":
+        raise ConfigurationError("fault tolerance (replica groups) does not work with DeepSpeed: its engine reduces "
+                                 "the gradients and steps the optimizer itself, so hasten cannot average them over "
+                                 "the groups or hold the step for the quorum's commit. HINT: use FSDP2 "
+                                 "(--use_fsdp) inside each replica group.")
+    if parallelism_config is not None and getattr(parallelism_config, "pp_enabled", False):
+        raise ConfigurationError(f"fault tolerance (replica groups) does not support pipeline parallel inside a group "
+                                 f"(pp_size={parallelism_config.pp_size}) in this version. HINT: use FSDP2 or tensor "
+                                 "parallel inside each replica group, or pp_size=1.")
+
+
 class FaultToleranceMixin(AcceleratorBase):
     """The replica group of a fault-tolerant run, and the state a restarted group heals from."""
 
@@ -75,6 +97,7 @@ class FaultToleranceMixin(AcceleratorBase):
         from hasten.fault_tolerance.replica import ReplicaGroup
 
         assert self._fault_tolerance is not None
+        check_replica_layout(self.distributed_type, self.parallelism_config)  # type: ignore[attr-defined]
         if len(self._optimizers) > 1:
             raise ConfigurationError("fault tolerance commits one optimizer step per quorum: prepare one optimizer "
                                      f"(got {len(self._optimizers)}).")
