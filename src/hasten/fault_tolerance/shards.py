@@ -40,7 +40,7 @@ def _is_shard(value: Any) -> bool:
     return isinstance(value, dict) and set(value) == {LOCAL_SHARD}
 
 
-def _like(local: torch.Tensor, layout: DTensor) -> DTensor:
+def _like(local: torch.Tensor, layout: torch.Tensor) -> DTensor:
     """``local`` as a DTensor laid out as ``layout`` (same mesh, placements, global shape and stride)."""
     if not isinstance(layout, DTensor) or tuple(local.shape) != tuple(layout.to_local().shape):
         held = tuple(layout.to_local().shape) if isinstance(layout, DTensor) else "an unsharded tensor"
