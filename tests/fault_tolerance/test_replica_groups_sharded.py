@@ -1,11 +1,11 @@
 """Replica groups whose processes shard the model: FSDP2 (``--use_fsdp``) or tensor parallel in each group of 2.
 
-(a) 2 groups x 2 processes (FSDP2, or TP), no failure: the final weights and every step's clipped gradient norm equal a plain
-single-process run over the same global batches (the cross-group all-reduce runs on each rank's local shards;
-clipping sees the full model's gradient averaged over every group). (b) the same layout with one process
-SIGKILLing itself: the run exits 0, its group restarts and heals its shards from the same ranks of the live
-group, every process ends with bit-equal gathered weights and optimizer state, and the epoch sees every sample
-exactly once.
+(a) 2 groups x 2 processes (FSDP2, or TP), no failure: the final weights and every step's clipped gradient norm
+equal a plain single-process run over the same global batches (the cross-group all-reduce runs on each rank's
+local shards; clipping sees the full model's gradient averaged over every group). (b) the same FSDP2 layout with
+one process SIGKILLing itself: the run exits 0, its group restarts and heals its shards from the same ranks of
+the live group, every process ends with bit-equal gathered weights and optimizer state, and the epoch sees every
+sample exactly once. (c) groups (DDP or TP inside) that start from different weights end bit-equal.
 """
 
 from __future__ import annotations
@@ -83,29 +83,34 @@ with open(os.path.join(out, f"final_g{group}_r{rank}_{os.getpid()}.json"), "w") 
 '''
 
 
-def train_script(*, kill: bool, tp: bool = False) -> str:
-    """(a) without a kill: both groups in every step, the same initial weights, the dataset in order; (b) with
-    one: group 1's rank 0 kills itself at step 6, the groups start from different weights, shuffled data."""
-    values = {"MIN_REPLICAS": 1 if kill else 2, "SAMPLES": KILL_SAMPLES if kill else SAMPLES, "BATCH": BATCH, "SHUFFLE": kill,
-              "SEED_STEP": 100 if kill else 0, "CLIP": CLIP, "KILL": kill, "TP": tp, "SLEEP": 0.3 if kill else 0.0}
+def train_script(*, kill: bool, layout: str = "fsdp2", same_start: bool = True) -> str:
+    """Without a kill: both groups in every step, the dataset in order; with one: group 1's rank 0 kills itself at
+    step 6, shuffled data. ``same_start``: the groups start from the same weights (else from different ones)."""
+    tp = layout == "tp"
+    values = {"MIN_REPLICAS": 1 if kill else 2, "SAMPLES": KILL_SAMPLES if kill else SAMPLES, "BATCH": BATCH,
+              "SHUFFLE": kill, "SEED_STEP": 0 if same_start else 100, "CLIP": CLIP, "KILL": kill, "TP": tp,
+              "SLEEP": 0.3 if kill else 0.0}
     script = TRAIN_TEMPLATE
     for name, value in values.items():
         script = script.replace(f"{name}_HERE", repr(value))
     return script
 
 
-def launch(out: Path, *, kill: bool, tp: bool = False) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run the script over 2 groups x 2 processes (FSDP2, or TP); (output, committed step rows, final records)."""
+def launch(out: Path, *, kill: bool, layout: str = "fsdp2",
+           same_start: bool = True) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run the script over 2 groups x 2 processes (layout fsdp2, tp or ddp); (output, committed step rows, final
+    records)."""
     script = out / "train.py"
-    script.write_text(train_script(kill=kill, tp=tp))
-    sharding = () if tp else ("--use_fsdp", "--fsdp_version", "2")
+    script.write_text(train_script(kill=kill, layout=layout, same_start=same_start))
+    sharding = ("--use_fsdp", "--fsdp_version", "2") if layout == "fsdp2" else ()
     proc = run_launch(out, script, "--num_processes", "4", "--replica_groups", "2", *sharding, "--step_timeout", "5",
                       timeout=400)
     assert proc.returncode == 0, proc.stdout[-5000:]
     rows = [json.loads(line) for path in sorted(out.glob("steps_*.jsonl")) for line in path.read_text().splitlines()]
     finals = [json.loads(path.read_text()) for path in sorted(out.glob("final_*.json"))]
     assert len(finals) == 4, proc.stdout[-5000:]
-    assert all(final["sharded"] for final in finals)  # every process trained FSDP2 shards (DTensor parameters)
+    # every process trained shards (DTensor parameters), or none did (DDP)
+    assert {final["sharded"] for final in finals} == {layout != "ddp"}
     return proc.stdout, [row for row in rows if row["committed"]], finals
 
 
@@ -128,11 +133,11 @@ def plain_run(step: int) -> tuple[dict[str, torch.Tensor], list[float]]:
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("tp", [False, True], ids=["fsdp2", "tp"])
-def test_sharded_groups_without_failure_equal_a_plain_run(tmp_path: Path, tp: bool) -> None:
-    output, rows, finals = launch(tmp_path, kill=False, tp=tp)
+@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+def test_sharded_groups_without_failure_equal_a_plain_run(tmp_path: Path, layout: str) -> None:
+    output, rows, finals = launch(tmp_path, kill=False, layout=layout)
     # FSDP2: the 4 processes read 4 batches per step; TP: a group's 2 processes share one batch
-    expected, expected_norms = plain_run((2 if tp else 4) * BATCH)
+    expected, expected_norms = plain_run((2 if layout == "tp" else 4) * BATCH)
     assert max(expected_norms) > CLIP  # the clip acts in some steps
     steps = sorted({row["step"] for row in rows})
     assert len(steps) == len(expected_norms), output[-3000:]
@@ -143,9 +148,20 @@ def test_sharded_groups_without_failure_equal_a_plain_run(tmp_path: Path, tp: bo
             torch.testing.assert_close(torch.tensor(final["weights"][name]), value, rtol=0, atol=1e-6)
 
 
+# torchft heals group rank r from the r-th group while no step has committed (its per-rank primary), so groups
+# that start from different weights leave a group's ranks with different groups' state; hasten realigns what a
+# group replicates (DDP's parameters; a row-wise TP layer's Replicate bias) after each such quorum.
+@pytest.mark.launch
+@pytest.mark.parametrize("layout", ["ddp", "tp"])
+def test_groups_that_start_from_different_weights_end_bit_equal(tmp_path: Path, layout: str) -> None:
+    output, _rows, finals = launch(tmp_path, kill=False, layout=layout, same_start=False)
+    assert len({final["digest"] for final in finals}) == 1, output[-3000:]
+    assert len({final["momentum"] for final in finals}) == 1
+
+
 @pytest.mark.launch
 def test_fsdp2_group_killed_heals_its_shards_from_the_live_group(tmp_path: Path) -> None:
-    output, rows, finals = launch(tmp_path, kill=True)
+    output, rows, finals = launch(tmp_path, kill=True, same_start=False)
     assert (tmp_path / "killed").exists()
     assert re.search(r"replica group 1 (was killed by signal 9|exited with code \d+); restarting it", output), \
         output[-4000:]

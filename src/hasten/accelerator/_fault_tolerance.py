@@ -103,12 +103,29 @@ class FaultToleranceMixin(AcceleratorBase):
                                      f"(got {len(self._optimizers)}).")
         given = collective_timeout()
         group = ReplicaGroup(self._fault_tolerance, self._replica_state, self._load_replica_state, self.device,
-                             given.total_seconds() if given is not None else None)
+                             given.total_seconds() if given is not None else None,
+                             align_replicas=self._align_group_replicas)
         self._replica_group = group
         for optimizer in self._optimizers:
             optimizer._replica_group = group
         group.begin_step()
         return group
+
+    def _align_group_replicas(self) -> None:
+        """Make each tensor this group replicates one copy again (a collective; after every quorum at step 0).
+
+        While no step has committed, torchft heals group rank ``r`` of every group but the ``r``-th from the
+        quorum's ``r``-th group (its primary per rank, torchft 0.2.0 ``init_sync``), so when the groups start
+        from different weights a group's ranks load different groups' state.
+        Shards stay one consistent model over the groups, but a replicated tensor (DDP's parameters, the
+        ``Replicate`` dimensions of a DTensor, e.g. a row-wise TP layer's bias) would differ between the group's
+        ranks, and nothing would bring it back. Later heals copy from groups that all hold the same state.
+        """
+        from hasten.fault_tolerance.shards import align_replicated
+
+        if self.num_processes > 1:  # type: ignore[attr-defined]
+            for model in self._models:  # type: ignore[attr-defined]
+                align_replicated(list(self.unwrap_model(model).state_dict().values()))  # type: ignore[attr-defined]
 
     def _average_replica_gradients(self) -> None:
         """Average the step's gradients over the replica groups now (before clipping), not at the optimizer step.

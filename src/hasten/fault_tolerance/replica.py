@@ -63,11 +63,13 @@ class ReplicaGroup:
         apply_state: loads a live peer's state (the inverse of ``collect_state``).
         device: where gradients live (gloo on CPU, NCCL on GPU).
         collective_timeout: hasten's own watchdog timeout, checked against the quorum timeout.
+        align_replicas: run by every rank of the group after each quorum before the first commit (where torchft
+            may heal the group's ranks from different groups; see ``FaultToleranceMixin._align_group_replicas``).
     """
 
     def __init__(self, config: FaultToleranceConfig, collect_state: Callable[[], dict[str, Any]],
                  apply_state: Callable[[dict[str, Any]], None], device: torch.device,
-                 collective_timeout: float | None = None) -> None:
+                 collective_timeout: float | None = None, align_replicas: Callable[[], None] | None = None) -> None:
         torchft = _import_torchft()
         self.timeouts: Timeouts = config.timeouts(collective_timeout)
         launch = replica_group_env()
@@ -95,6 +97,7 @@ class ReplicaGroup:
         self.manager.register_state_dict_fn(STATE_KEY, apply_state, collect_state)
         self._open = False  # a quorum was started for the current step
         self._averaged = False  # the current step's gradients were averaged over the groups
+        self._align_replicas = align_replicas
         self.healed = 0  # times this group loaded a peer's state
         self.steps_committed = 0
         self.steps_retried = 0
@@ -104,6 +107,8 @@ class ReplicaGroup:
         if not self._open:
             self.manager.start_quorum()
             self._open = True
+            if self._align_replicas is not None and self.manager.current_step() == 0:
+                self._align_replicas()
 
     def commit(self, params: Iterable[torch.Tensor]) -> bool:
         """Average the gradients over the quorum's groups; True when the optimizer may step.

@@ -68,4 +68,25 @@ def optimizer_state_from_local(saved: dict[str, Any], params: Iterable[torch.Ten
     return {**saved, "state": state}
 
 
-__all__ = ["LOCAL_SHARD", "local_shard", "model_state_from_local", "optimizer_state_from_local", "to_local_state"]
+def align_replicated(tensors: Iterable[torch.Tensor]) -> None:
+    """Give every rank of this replica group the first rank's copy of each tensor the group replicates.
+
+    Plain tensors (DDP's parameters, modules left out of the sharding) are broadcast from the group's rank 0; a
+    DTensor from the first coordinate of each of its ``Replicate`` mesh dimensions; sharded dimensions are left
+    alone. A collective over the group: every rank passes the same tensors in the same order.
+    """
+    import torch.distributed as dist
+
+    grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    with torch.no_grad():
+        for tensor in tensors:
+            if isinstance(tensor, DTensor):
+                if any(placement.is_replicate() for placement in tensor.placements):
+                    first = DTensor.from_local(tensor.to_local(), tensor.device_mesh, tensor.placements,
+                                               run_check=True, shape=tensor.shape, stride=tensor.stride())
+                    tensor.to_local().copy_(first.to_local())
+            elif grouped:
+                dist.broadcast(tensor, src=0)
+
+
+__all__ = ["LOCAL_SHARD", "align_replicated", "local_shard", "model_state_from_local", "optimizer_state_from_local", "to_local_state"]
