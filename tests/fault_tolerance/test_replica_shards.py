@@ -1,8 +1,9 @@
 """What crosses between replica groups when their processes shard the model (``hasten.fault_tolerance.shards``),
 and the layouts inside a group that are refused at ``prepare``.
 
-Ground truth of the round trip: a second FSDP2 model and optimizer loaded from the first one's marked local shards
-hold, gathered, exactly the first one's weights and momentum (as a healed group must). No torchft needed.
+Ground truth of the round trip: a second sharded model (FSDP2, or TP) and optimizer loaded from the first one's
+marked local shards hold, gathered, exactly the first one's weights and momentum (as a healed group must). No
+torchft needed.
 """
 
 from __future__ import annotations
@@ -16,12 +17,21 @@ from hasten.accelerator._fault_tolerance import check_replica_layout
 from hasten.exceptions import ConfigurationError
 
 
-def _sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _sharded(seed: int, layout: str = "fsdp2") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small model sharded over the 2 ranks: FSDP2 (every tensor Shard(0)), or TP (column-wise then row-wise:
+    the second layer's bias is Replicate)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    torch.manual_seed(seed)
+    torch.manual_seed(seed + dist.get_rank())  # each rank its own start: what the loads must overwrite
     model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2))
-    fully_shard(model)
+    if layout == "tp":
+        parallelize_module(model, init_device_mesh("cpu", (2,)), {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                           src_data_rank=None)
+    else:
+        fully_shard(model)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
@@ -31,7 +41,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-def _heal_one_fsdp2_model_from_another() -> dict[str, bool]:
+def _heal_one_model_from_another(layout: str) -> dict[str, bool]:
     from torch.distributed.tensor import DTensor
 
     from hasten.fault_tolerance.shards import (
@@ -41,11 +51,11 @@ def _heal_one_fsdp2_model_from_another() -> dict[str, bool]:
         to_local_state,
     )
 
-    live, live_optimizer = _sharded(0)
+    live, live_optimizer = _sharded(0, layout)
     for p in live.parameters():
         p.grad = torch.ones_like(p)  # one step: the momentum buffers exist (DTensors, as the parameters)
     live_optimizer.step()
-    healing, healing_optimizer = _sharded(1)  # another start, and no optimizer state yet
+    healing, healing_optimizer = _sharded(10, layout)  # another start, and no optimizer state yet
     sent_model, sent_optimizer = to_local_state(live.state_dict()), to_local_state(live_optimizer.state_dict())
     shards = [v[LOCAL_SHARD] for v in sent_model.values()]
     healing.load_state_dict(model_state_from_local(sent_model, healing.state_dict()))
@@ -68,9 +78,32 @@ def _heal_one_fsdp2_model_from_another() -> dict[str, bool]:
 
 
 @pytest.mark.world_size(2)
-def test_local_shards_rebuild_an_fsdp2_model_and_its_optimizer_state() -> None:
-    result = _heal_one_fsdp2_model_from_another()  # on each of 2 gloo ranks
+@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+def test_local_shards_rebuild_a_sharded_model_and_its_optimizer_state(layout: str) -> None:
+    result = _heal_one_model_from_another(layout)  # on each of 2 gloo ranks
     assert result == {"plain": True, "weights": True, "momentum": True, "sharded": True, "refused": True}
+
+
+@pytest.mark.world_size(2)
+def test_align_replicated_gives_every_rank_the_first_ranks_copy_and_leaves_shards_alone() -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from hasten.fault_tolerance.shards import align_replicated
+
+    model, _ = _sharded(0, "tp")  # each rank started from other weights
+    plain = torch.full((3,), float(dist.get_rank()))
+    shards = {name: value.to_local().clone() for name, value in model.state_dict().items()
+              if not value.placements[0].is_replicate()}
+    align_replicated([plain, *model.state_dict().values()])
+    assert plain.tolist() == [0.0, 0.0, 0.0]
+    bias = model.state_dict()["2.bias"]
+    assert isinstance(bias, DTensor) and bias.placements[0].is_replicate()
+    copies = [torch.empty_like(bias.to_local()) for _ in range(2)]
+    dist.all_gather(copies, bias.to_local().contiguous())
+    assert torch.equal(copies[0], copies[1])  # the Replicate bias is one copy again
+    for name, before in shards.items():  # Shard placements untouched
+        assert torch.equal(model.state_dict()[name].to_local(), before)
 
 
 def test_layouts_replica_groups_cannot_serve_are_refused_with_the_reason() -> None:
