@@ -51,25 +51,54 @@ _CARRIED = ("attention_mask", "position_ids")
 _DROPPED = ("use_cache", "return_dict", "cache", "past_key_values")
 
 
+def wrapped_transformers_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """The transformers model inside a PEFT wrapper and its module name there; ``(model, "")`` for any other model.
+
+    PEFT's adapters (LoRA and the like) live inside the transformers model's own modules, so the wrapper is
+    cut by the inner model's plan under the wrapper's names (``base_model.model.`` + the plan's names).
+
+    Raises:
+        ConfigurationError: a prompt-learning method (prompt, prefix or P-tuning): its forward adds virtual
+            tokens outside the transformers model, which no stage could do for the others.
+    """
+    config = getattr(model, "active_peft_config", None) if hasattr(model, "peft_config") else None
+    get_base_model = getattr(model, "get_base_model", None)
+    if config is None or not callable(get_base_model):
+        return model, ""
+    if getattr(config, "is_prompt_learning", False):
+        raise ConfigurationError(
+            f"PEFT's {getattr(config, 'peft_type', 'prompt-learning')} adds virtual tokens in the wrapper's forward, "
+            "outside the transformers model's modules, which pipeline stages cannot split: under pp_size > 1 use an "
+            "adapter that lives inside the model's modules (LoRA, IA3, ...), or pp_size=1.")
+    inner = get_base_model()
+    name = next((name for name, module in model.named_modules() if module is inner and name), None)
+    return (inner, name) if name is not None else (model, "")
+
+
 def transformers_pp_plan(model: nn.Module) -> list[str] | None:
-    """The module names of ``model``'s pipeline plan in model order, or ``None`` for a model without one."""
-    plan = getattr(model, "pp_plan", None)
+    """The module names of ``model``'s pipeline plan in model order, or ``None`` for a model without one.
+
+    A PEFT wrapper's plan is its transformers model's, under the wrapper's names.
+    """
+    inner, prefix = wrapped_transformers_model(model)
+    plan = getattr(inner, "pp_plan", None)
     if not plan:  # transformers before the plans moved onto the model: the config's plan under the prefix
-        config_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
-        prefix = getattr(model, "base_model_prefix", "")
-        base = getattr(model, prefix, None) if prefix else None
-        plan = {**(getattr(type(model), "_pp_plan", None) or {}),
-                **{(f"{prefix}.{k}" if isinstance(base, nn.Module) else k): v for k, v in config_plan.items()}}
-    if not plan or not hasattr(model, "base_model"):
+        config_plan = getattr(getattr(inner, "config", None), "base_model_pp_plan", None) or {}
+        base_prefix = getattr(inner, "base_model_prefix", "")
+        base = getattr(inner, base_prefix, None) if base_prefix else None
+        plan = {**(getattr(type(inner), "_pp_plan", None) or {}),
+                **{(f"{base_prefix}.{k}" if isinstance(base, nn.Module) else k): v for k, v in config_plan.items()}}
+    if not plan or not hasattr(inner, "base_model"):
         return None
+    names = [f"{prefix}.{name}" if prefix else name for name in plan]
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    missing = [name for name in plan if name not in order]
+    missing = [name for name in names if name not in order]
     if missing:
         raise ConfigurationError(
             f"{type(model).__name__}'s pipeline plan names {missing}, which are not its own modules: a wrapped "
-            "transformers model (PEFT's, say) is not split under pp_size > 1 yet; prepare the transformers model "
+            "transformers model (other than PEFT's) is not split under pp_size > 1; prepare the transformers model "
             "itself.")
-    return sorted(plan, key=order.__getitem__)
+    return sorted(names, key=order.__getitem__)
 
 
 def _plan_units(model: nn.Module, plan: list[str]) -> tuple[list[tuple[str, bool]], list[str]]:
@@ -154,6 +183,9 @@ def transformers_stage_units(model: nn.Module, split_points: list[str] | None,
     units, _ = _plan_units(model, plan)
     points = split_points if split_points is not None else transformers_split_points(model, num_stages)
     names = [name for name, _ in units]
+    prefix = wrapped_transformers_model(model)[1]
+    if prefix:  # a PEFT wrapper: the transformers model's names (``model.layers.2``) name its units too
+        points = [point if point in names else f"{prefix}.{point}" for point in points]
     if len(points) != num_stages - 1 or any(point not in names for point in points):
         raise ConfigurationError(
             f"pp_size={num_stages} with {type(model).__name__} needs {num_stages - 1} split points among its pipeline "
@@ -184,7 +216,8 @@ class TransformersStage(nn.Module):
     each micro-batch's other per-token outputs (a fused head's ``log_probs``...) in ``extras``.
 
     Args:
-        model: the cut model (the other stages' units skipped), under its full-model names.
+        model: the cut model (the other stages' units skipped), under its full-model names; a PEFT
+            wrapper's forward runs as the model's (its adapters sit inside the transformers model).
         stage_index: this stage.
         num_stages: stages in the pipeline.
     """
@@ -192,6 +225,7 @@ class TransformersStage(nn.Module):
     def __init__(self, model: nn.Module, stage_index: int, num_stages: int) -> None:
         super().__init__()
         self.model = model
+        inner = wrapped_transformers_model(model)[0]
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.carried: tuple[str, ...] = ()
         self.constants: dict[str, Any] = {}
@@ -201,7 +235,7 @@ class TransformersStage(nn.Module):
         self.own_loss = True
         self.extras: list[dict[str, torch.Tensor]] = []
         self.output_type: type | None = None
-        self.base_model: nn.Module = model.base_model  # type: ignore[assignment]
+        self.base_model: nn.Module = inner.base_model  # type: ignore[assignment]
         #: The model's forward as it was before the cut (a trainer may have patched it, as TRL's fused head does).
         self.model_forward: Any = model.forward
         base_parameters = inspect.signature(self.base_model.forward).parameters
@@ -273,11 +307,12 @@ class TransformersPipelineCall:
 
     def __init__(self, model: nn.Module, stage: TransformersStage, runner: Any, group: Any,
                  tied: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]]) -> None:
-        self.model: Any = model  # a transformers model (its loss_function and config are read)
+        # The transformers model (its loss_function and config are read), inside a PEFT wrapper or not
+        self.model: Any = wrapped_transformers_model(model)[0]
         self.stage, self.runner, self.group, self.tied = stage, runner, group, tied
         self.last_rank = dist.get_global_rank(group, dist.get_world_size(group) - 1)
-        self.output_class = _output_class(model)
-        self.causal_lm = getattr(model, "loss_type", None) == "ForCausalLM"
+        self.output_class = _output_class(self.model)
+        self.causal_lm = getattr(self.model, "loss_type", None) == "ForCausalLM"
         self.scale = 1.0
         self._fresh = True
         self._sink: dict[str, torch.Tensor] = {}
@@ -432,6 +467,8 @@ def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, sta
     units = transformers_stage_units(model, split_points, num_stages)
     tied = []
     for param, stages in _tied_weights(model, units):
+        if not param.requires_grad:  # frozen (a PEFT model's base weights): no gradients to sum
+            continue
         held = stage_index in stages
         if held and stage_index != stages[0]:
             setattr(param, PP_TIED_MIRROR, True)
@@ -441,9 +478,55 @@ def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, sta
     mine = {id(p) for name, stage in units if stage == stage_index for p in model.get_submodule(name).parameters()}
     kept = [(name, stage_index if params and {id(p) for p in params} <= mine else stage) for name, stage in units
             for params in [list(model.get_submodule(name).parameters())]]
+    inner = wrapped_transformers_model(model)[0]
+    skeletons = {name: model.get_submodule(name) for name, stage in kept if stage != stage_index}
     skip_other_stages(model, kept, stage_index)
+    if inner is not model:
+        _save_adapters_of_every_stage(model, {name: _to_meta(unit) for name, unit in skeletons.items()})
+        _guard_save_pretrained(inner)  # the transformers model (merge_and_unload returns it) holds one stage too
     _guard_save_pretrained(model)
     return model, TransformersStage(model, stage_index, num_stages), tied
+
+
+def _to_meta(unit: nn.Module) -> nn.Module:
+    """``unit`` (just cut away from this stage) with its weights replaced by shapeless meta tensors, in place.
+
+    The Parameter objects are replaced in ``unit``'s own tables, not changed: one this stage shares (a tied
+    weight) stays whole where the stage holds it, and the others are freed with the optimizer's reference.
+    """
+    for module in unit.modules():
+        for table in (module._parameters, module._buffers):
+            for key, value in table.items():
+                if value is not None:
+                    meta = torch.empty_like(value, device="meta")
+                    table[key] = nn.Parameter(meta, value.requires_grad) if isinstance(value, nn.Parameter) else meta
+    return unit
+
+
+def _save_adapters_of_every_stage(model: nn.Module, skeletons: dict[str, nn.Module]) -> None:
+    """A PEFT wrapper's ``save_pretrained(path, state_dict=full)`` writes every stage's adapter weights.
+
+    PEFT picks the adapter's entries of ``state_dict`` by visiting the adapter layers of the model it is
+    called on, which on a cut stage are that stage's only; for the call the other stages' units come back
+    as meta-tensor skeletons (their names, no weights), and the values are the given state dict's.
+    """
+    save_pretrained = model.save_pretrained
+
+    def save_with_every_stage(*args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
+        if state_dict is None:
+            return save_pretrained(*args, **kwargs)
+        skipped = {name: model.get_submodule(name) for name in skeletons}
+        try:
+            for name, unit in skeletons.items():
+                parent, _, child = name.rpartition(".")
+                model.get_submodule(parent).register_module(child, unit)
+            return save_pretrained(*args, state_dict=state_dict, **kwargs)
+        finally:
+            for name, unit in skipped.items():
+                parent, _, child = name.rpartition(".")
+                model.get_submodule(parent).register_module(child, unit)
+
+    model.save_pretrained = save_with_every_stage  # type: ignore[method-assign]
 
 
 def _guard_save_pretrained(model: nn.Module) -> None:
@@ -473,4 +556,5 @@ def _guard_save_pretrained(model: nn.Module) -> None:
 
 
 __all__ = ["PP_TIED_MIRROR", "TransformersPipelineCall", "TransformersStage", "cut_transformers_stage",
-           "transformers_pp_plan", "transformers_split_points", "transformers_stage_units"]
+           "transformers_pp_plan", "transformers_split_points", "transformers_stage_units",
+           "wrapped_transformers_model"]
