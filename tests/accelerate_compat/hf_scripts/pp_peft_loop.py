@@ -3,7 +3,7 @@ and 3 (forked gloo ranks), against the same loop on one process. Prints one ``RE
 differences: the LoRA weights' gradients, the trained weights, the frozen base weights (against their initial
 values), the losses, and the full and adapter weights saved through ``accelerator.get_state_dict`` (PEFT's names).
 
-Run with the Hugging Face interpreter: ``python pp_peft_loop.py FOLDER``.
+A prompt-tuning model is refused at ``prepare`` (its reason is reported). Run with the Hugging Face interpreter: ``python pp_peft_loop.py FOLDER``.
 """
 
 import json
@@ -109,6 +109,24 @@ def pipelined(tied: bool, folder: str):
     return grads, losses, weights, full, refused, trainable
 
 
+def prompt_tuning_refused():
+    """A prompt-learning method adds virtual tokens in the wrapper's forward: refused at prepare, with the reason."""
+    from peft import PromptTuningConfig
+
+    from hasten import Accelerator, ParallelismConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    model = get_peft_model(LlamaForCausalLM(config), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(pp_size=2, pp_microbatches=2), cpu=True)
+    try:
+        accelerator.prepare(model)
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return "prepared"
+
+
 def largest(pairs):
     return max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
 
@@ -140,6 +158,7 @@ def main():
             "save_pretrained_refused": [r[4] for r in ranks],
             "trainable_only_lora": all(all("lora_" in n for n in r[5]) for r in ranks),
         }
+    report["prompt_tuning"] = run_on_ranks(prompt_tuning_refused, world_size=2, timeout=60)
     print("RESULT " + json.dumps(report), flush=True)
 
 
