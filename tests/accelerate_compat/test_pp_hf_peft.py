@@ -21,14 +21,14 @@ def _result(out):
 
 
 def test_lora_model_in_the_ordinary_loop_under_pp_equals_one_process(tmp_path):
-    """``get_peft_model(llama)`` under pp_size 2 (untied and tied embeddings) and 3 (split points under the
-    transformers model's names): cut by the base model's plan under the wrapper's names, the LoRA gradients within
+    """``get_peft_model(llama)`` under pp_size 2 (untied and tied embeddings), 3 (split points under the
+    transformers model's names) and PP2 x FSDP2(2) (the same batches on both data-parallel ranks): cut by the base model's plan under the wrapper's names, the LoRA gradients within
     1e-6 of one process, the frozen base weights untouched, and ``get_state_dict``/``save_model`` (full weights)
     and ``save_pretrained(state_dict=...)`` (the adapter, every stage's) under PEFT's names as without PP."""
     report = _result(run([hf_python(), str(SCRIPTS / "pp_peft_loop.py"), str(tmp_path)], tmp_path, timeout=600))
     for refused in report.pop("prompt_tuning"):  # on every process, at prepare, saying why
         assert refused.startswith("ConfigurationError") and "virtual tokens" in refused, refused
-    assert sorted(report) == ["tied=False pp=2", "tied=False pp=3", "tied=True pp=2"]
+    assert sorted(report) == ["tied=False pp=2", "tied=False pp=2 fsdp=2", "tied=False pp=3", "tied=True pp=2"]
     for case, seen in report.items():
         assert seen["grad_names_equal"] and seen["trainable_only_lora"], case
         assert seen["lora_grad_diff"] <= 1e-6, case

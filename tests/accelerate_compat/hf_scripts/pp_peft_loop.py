@@ -1,5 +1,5 @@
 """A PEFT LoRA model (``peft.get_peft_model`` on a tiny Llama from a config) in the ordinary loop under pp_size=2
-and 3 (forked gloo ranks), against the same loop on one process. Prints one ``RESULT {json}`` line with the largest
+and 3 and PP2 x FSDP2(2) (forked gloo ranks), against the same loop on one process. Prints one ``RESULT {json}`` line with the largest
 differences: the LoRA weights' gradients, the trained weights, the frozen base weights (against their initial
 values), the losses, and the full and adapter weights saved through ``accelerator.get_state_dict`` (PEFT's names).
 
@@ -19,6 +19,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from hasten.strategies.pipeline_nd import full_value  # noqa: E402
 from hasten.testing import run_on_ranks  # noqa: E402
 
 BATCH, SEQ, STEPS = 4, 6, 2
@@ -64,7 +65,7 @@ def train(model, accelerator=None):
         outputs = model(**batch)
         (accelerator.backward(outputs.loss) if accelerator else outputs.loss.backward())
         if step == 0:
-            grads = {name: p.grad.clone() for name, p in named() if p.grad is not None}
+            grads = {name: full_value(p.grad).clone() for name, p in named() if p.grad is not None}  # FSDP2: gathered
         clip = accelerator.clip_grad_norm_ if accelerator else torch.nn.utils.clip_grad_norm_
         clip(model.parameters(), 0.05)
         optimizer.step()
@@ -84,18 +85,20 @@ def one_process(tied: bool, folder: Path):
     return initial, grads, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def pipelined(tied: bool, folder: str):
+def pipelined(tied: bool, folder: str, shard: int):
     from hasten import Accelerator, ParallelismConfig
 
     model = lora_llama(tied)
-    world = torch.distributed.get_world_size()
+    stages = torch.distributed.get_world_size() // shard
     # 3 stages: split points under the transformers model's names (1, 2 and 1 layers)
-    points = None if world == 2 else ["model.layers.1", "model.layers.3"]
-    config = ParallelismConfig(pp_size=world, pp_microbatches=2 if world == 2 else 4, pp_split_points=points)
+    points = None if stages == 2 else ["model.layers.1", "model.layers.3"]
+    # PP x FSDP2: both data-parallel ranks read the same batches, so their mean is one process's step
+    config = ParallelismConfig(pp_size=stages, pp_microbatches=2 if stages == 2 else 4, pp_split_points=points,
+                               dp_shard_size=shard)
     accelerator = Accelerator(parallelism_config=config, cpu=True)
     model, grads, losses = train(model, accelerator)
     stage = accelerator.unwrap_model(model)
-    weights = {name: p.detach().clone() for name, p in stage.named_parameters()}
+    weights = {name: full_value(p.detach()).clone() for name, p in stage.named_parameters()}
     full = accelerator.get_state_dict(model)  # every process: it gathers the stages
     if accelerator.is_main_process:
         stage.save_pretrained(Path(folder) / "pp", state_dict=full)  # PEFT keeps the adapter's weights
@@ -134,16 +137,16 @@ def largest(pairs):
 def main():
     folder = Path(sys.argv[1])
     report = {}
-    for tied, world in [(False, 2), (True, 2), (False, 3)]:
+    for tied, world, shard in [(False, 2, 1), (True, 2, 1), (False, 3, 1), (False, 4, 2)]:
         initial, want_grads, want_losses, want_state = one_process(tied, folder)
-        ranks = run_on_ranks(pipelined, world_size=world, args=(tied, str(folder)), timeout=240)
+        ranks = run_on_ranks(pipelined, world_size=world, args=(tied, str(folder), shard), timeout=240)
         grads = {name: grad for result in ranks for name, grad in result[0].items()}
         weights = {name: w for result in ranks for name, w in result[2].items()}
         full = ranks[0][3]
         adapter, want_adapter = (load_file(folder / sub / "adapter_model.safetensors") for sub in ("pp", "one"))
         saved = load_file(folder / "pp_full" / "model.safetensors")
         lora = [name for name in want_grads if "lora_" in name]
-        report[f"tied={tied} pp={world}"] = {
+        report[f"tied={tied} pp={world // shard}" + (f" fsdp={shard}" if shard > 1 else "")] = {
             "grad_names_equal": sorted(grads) == sorted(want_grads) and len(lora) == len(want_grads) > 0,
             "lora_grad_diff": largest((grads[n], want_grads[n]) for n in lora),
             "loss_diff": max(abs(a - b) / abs(b) for r in ranks for a, b in zip(r[1], want_losses)),
