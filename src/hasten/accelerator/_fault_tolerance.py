@@ -80,12 +80,35 @@ class FaultToleranceMixin(AcceleratorBase):
                                      f"(got {len(self._optimizers)}).")
         given = collective_timeout()
         group = ReplicaGroup(self._fault_tolerance, self._replica_state, self._load_replica_state, self.device,
-                             given.total_seconds() if given is not None else None)
+                             given.total_seconds() if given is not None else None,
+                             group_size=self.num_processes,  # type: ignore[attr-defined]
+                             align_group=self._align_group_replicas)
         self._replica_group = group
         for optimizer in self._optimizers:
             optimizer._replica_group = group
         group.begin_step()
         return group
+
+    def _align_group_replicas(self) -> None:
+        """Give every process of this group its group rank 0's replicated weights (a broadcast in the group).
+
+        Called by the replica group after each quorum before the first commit (see ``ReplicaGroup.begin_step``):
+        there torchft may heal this group's ranks from different groups that started from different weights.
+        Sharded parameters (DTensors) are left alone: they are per rank, and each rank healed its own.
+        """
+        if self.num_processes == 1:  # type: ignore[attr-defined]
+            return
+        import torch
+        from torch.distributed.tensor import DTensor
+
+        from hasten.ops.collectives import broadcast
+
+        modules = [self.unwrap_model(model) for model in self._models]  # type: ignore[attr-defined]
+        replicated = [tensor.data for module in modules for tensor in (*module.parameters(), *module.buffers())
+                      if not isinstance(tensor, DTensor)]
+        if replicated:
+            with torch.no_grad():
+                broadcast(replicated, from_process=0)
 
     def _replica_state(self) -> dict[str, Any]:
         from hasten.fault_tolerance.replica import rng_state
