@@ -72,6 +72,8 @@ def test_a_moved_api_raises_a_clear_error():
         private.pending_gradient(object())
     with pytest.raises(private.PrivateAPIError, match="_fixtureinfo"):
         private.fixture_argnames(object())
+    with pytest.raises(private.PrivateAPIError, match="_quorum_future .*torchft==0.2.0"):
+        private.forget_failed_quorum(object())
 
 
 def test_memory_planning_internals():

@@ -337,17 +337,34 @@ def fixture_argnames(item: Any) -> tuple[str, ...]:
     return tuple(info.argnames)
 
 
+# ------------------------------------------------------------------------------------------- torchft
+def forget_failed_quorum(manager: Any) -> None:
+    """Let a torchft ``Manager`` start a new quorum after one failed (``manager._quorum_future = None``).
+
+    torchft 0.2.0's ``start_quorum`` first waits on the previous quorum's future and re-raises its error,
+    so a quorum that timed out would fail every later one; nothing else of the failed quorum is kept (its
+    process group was not reconfigured, the step did not start).
+
+    Raises:
+        PrivateAPIError: torchft moved it (hasten pins torchft==0.2.0).
+    """
+    if not hasattr(manager, "_quorum_future"):
+        raise PrivateAPIError("torchft's Manager._quorum_future is gone: hasten cannot retry a quorum that timed "
+                              "out. Use torchft==0.2.0 (hasten[torchft]).")
+    manager._quorum_future = None
+
+
 #: Every name above, for the house rule that keeps them here.
 PRIVATE_NAMES = ("_get_default_store", "_flatten(", "_set_unshard_async_op", "_get_fsdp_state", "_fsdp_param_group",
                  "_unsharded_", "unsharded_accumulated_grad", "distributed._composable", "algorithms._checkpoint",
                  "experimental._attention", "_parse_to", "_run_exitfuncs", "_register_atexit", "_fixtureinfo",
                  "_subclasses", "_internal.distributed", "distributed._tools", "_sharding_prop",
-                 "_clear_sharding_prop_cache", "tensor._redistribute")
+                 "_clear_sharding_prop_cache", "tensor._redistribute", "_quorum_future")
 
 __all__ = ["CHECKED_TORCH", "PRIVATE_NAMES", "PrivateAPIError", "apply_activation_checkpointing", "clear_dtensor_caches",
            "clone_default_store",
            "composable_checkpoint", "device_mesh_tensors_outside_fake_mode", "dtensor_propagation_in_own_fake_mode",
            "fake_process_group_store",
-           "fake_tensor_mode", "fixture_argnames", "flatten_mesh", "fsdp_param_records", "has_unshard_async",
+           "fake_tensor_mode", "fixture_argnames", "flatten_mesh", "forget_failed_quorum", "fsdp_param_records", "has_unshard_async",
            "memory_tracker", "pending_gradient", "run_before_threads_join", "run_exit_functions",
            "set_pending_gradient", "set_rotate_method", "set_unshard_async", "to_call_device"]

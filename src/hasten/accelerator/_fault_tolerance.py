@@ -104,7 +104,8 @@ class FaultToleranceMixin(AcceleratorBase):
         given = collective_timeout()
         group = ReplicaGroup(self._fault_tolerance, self._replica_state, self._load_replica_state, self.device,
                              given.total_seconds() if given is not None else None,
-                             align_replicas=self._align_group_replicas)
+                             group_size=self.num_processes,  # type: ignore[attr-defined]
+                             align_group=self._align_group_replicas)
         self._replica_group = group
         for optimizer in self._optimizers:
             optimizer._replica_group = group
@@ -112,7 +113,9 @@ class FaultToleranceMixin(AcceleratorBase):
         return group
 
     def _align_group_replicas(self) -> None:
-        """Make each tensor this group replicates one copy again (a collective; after every quorum at step 0).
+        """Make each tensor this group replicates its group rank 0's copy (a collective of the group).
+
+        Called by the replica group after each quorum before the first commit (see ``ReplicaGroup.begin_step``).
 
         While no step has committed, torchft heals group rank ``r`` of every group but the ``r``-th from the
         quorum's ``r``-th group (its primary per rank, torchft 0.2.0 ``init_sync``), so when the groups start
@@ -124,8 +127,8 @@ class FaultToleranceMixin(AcceleratorBase):
         from hasten.fault_tolerance.shards import align_replicated
 
         if self.num_processes > 1:  # type: ignore[attr-defined]
-            for model in self._models:  # type: ignore[attr-defined]
-                align_replicated(list(self.unwrap_model(model).state_dict().values()))  # type: ignore[attr-defined]
+            modules = [self.unwrap_model(model) for model in self._models]  # type: ignore[attr-defined]
+            align_replicated([tensor for module in modules for tensor in (*module.parameters(), *module.buffers())])
 
     def _average_replica_gradients(self) -> None:
         """Average the step's gradients over the replica groups now (before clipping), not at the optimizer step.

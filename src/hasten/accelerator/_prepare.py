@@ -56,7 +56,11 @@ class PrepareMixin(AcceleratorBase):
         for obj in result:  # as Accelerate marks what prepare() returns (models and loaders already are)
             if any(obj is kept for kept in (*self._optimizers, *self._schedulers)):
                 obj._is_accelerate_prepared = True
-        if self._optimizers:  # a training run: a preemption signal now stops it at a common step
+        if self._optimizers and self._fault_tolerance is None:  # type: ignore[attr-defined]
+            # A training run: a preemption signal now stops it at a common step. Not under replica groups: there
+            # the signal (torchrun's agent stopping a group whose process died) must end the process at once, or
+            # its torchft Manager keeps the lost group alive in the Lighthouse's view and holds up the
+            # survivors' quorum (docs/fault-tolerance.md, "When a process fails").
             self._arm_preemption()  # type: ignore[attr-defined]
         if self._optimizers and self._fault_tolerance is not None:  # type: ignore[attr-defined]
             self._attach_replica_group()  # type: ignore[attr-defined]  # joins (and heals at) the first quorum

@@ -485,11 +485,13 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
         self.state.destroy_process_group()
 
     def save(self, obj: Any, f: str | os.PathLike[str], safe_serialization: bool = False) -> None:
-        """Save ``obj`` once (main process, or each machine's first with ``save_on_each_node``), atomically."""
-        from hasten.base.serialization import save_atomically
-        from hasten.state_helpers import writes_shared_files
+        """Save ``obj`` once (main process, or each machine's first with ``save_on_each_node``), atomically.
 
-        if writes_shared_files(self.project_configuration.save_on_each_node):
+        Under replica groups one group writes, as for ``save_state`` (docs/fault-tolerance.md).
+        """
+        from hasten.base.serialization import save_atomically
+
+        if self._writes_shared_files():
             save_atomically(obj, f, safe_serialization=safe_serialization)
 
     @contextlib.contextmanager

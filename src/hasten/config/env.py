@@ -256,6 +256,13 @@ def preemption_signal(env: Mapping[str, str] | None = None) -> str | None:
     return str(value) if value else None
 
 
+def rendezvous_store(env: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """The store this worker's group met on (torchrun's ``MASTER_ADDR``/``MASTER_PORT``), or None outside one."""
+    found = _env(env)
+    addr, port = found.get("MASTER_ADDR"), found.get("MASTER_PORT")
+    return (addr, int(port)) if addr and port and port.isdigit() else None
+
+
 def replica_group_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables of a replica-group launch that are set (fault-tolerance settings, group, groups, Lighthouse)."""
     found = _env(env)

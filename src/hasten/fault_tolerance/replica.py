@@ -15,6 +15,7 @@ fault tolerance is on.
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 from collections.abc import Callable, Iterable, Mapping
@@ -24,11 +25,13 @@ from urllib.parse import urlparse
 
 import torch
 
+from hasten._private_api import forget_failed_quorum
 from hasten.config.env import (
     FAULT_TOLERANCE_VAR,
     LIGHTHOUSE_VAR,
     NUM_REPLICA_GROUPS_VAR,
     REPLICA_GROUP_VAR,
+    rendezvous_store,
     replica_group_env,
 )
 from hasten.exceptions import ConfigurationError
@@ -37,6 +40,8 @@ from hasten.fault_tolerance.timeouts import FaultToleranceConfig, Timeouts
 
 #: The key of hasten's state in torchft's healing checkpoint.
 STATE_KEY = "hasten"
+
+logger = logging.getLogger("hasten.fault_tolerance")
 
 
 def config_from_env(env: Mapping[str, str] | None = None) -> FaultToleranceConfig | None:
@@ -63,13 +68,15 @@ class ReplicaGroup:
         apply_state: loads a live peer's state (the inverse of ``collect_state``).
         device: where gradients live (gloo on CPU, NCCL on GPU).
         collective_timeout: hasten's own watchdog timeout, checked against the quorum timeout.
-        align_replicas: run by every rank of the group after each quorum before the first commit (where torchft
-            may heal the group's ranks from different groups; see ``FaultToleranceMixin._align_group_replicas``).
+        group_size: the processes of this replica group.
+        align_group: makes the group's processes hold its rank 0's replicated weights (a collective of the
+            group); called after each quorum until the first step commits (see :meth:`begin_step`).
     """
 
     def __init__(self, config: FaultToleranceConfig, collect_state: Callable[[], dict[str, Any]],
                  apply_state: Callable[[dict[str, Any]], None], device: torch.device,
-                 collective_timeout: float | None = None, align_replicas: Callable[[], None] | None = None) -> None:
+                 collective_timeout: float | None = None, group_size: int = 1,
+                 align_group: Callable[[], None] | None = None) -> None:
         torchft = _import_torchft()
         self.timeouts: Timeouts = config.timeouts(collective_timeout)
         launch = replica_group_env()
@@ -79,6 +86,7 @@ class ReplicaGroup:
                                      f"N` (it starts one), or set {LIGHTHOUSE_VAR}=http://host:port / "
                                      "FaultToleranceConfig(lighthouse=...).")
         self.group_id = int(launch.get(REPLICA_GROUP_VAR, "0"))
+        self.group_size, self.align_group = group_size, align_group
         self.num_groups = int(launch.get(NUM_REPLICA_GROUPS_VAR, "1"))
         step = timedelta(seconds=self.timeouts.step)
         if device.type == "cuda":
@@ -97,18 +105,64 @@ class ReplicaGroup:
         self.manager.register_state_dict_fn(STATE_KEY, apply_state, collect_state)
         self._open = False  # a quorum was started for the current step
         self._averaged = False  # the current step's gradients were averaged over the groups
-        self._align_replicas = align_replicas
         self.healed = 0  # times this group loaded a peer's state
         self.steps_committed = 0
         self.steps_retried = 0
+        self.quorums_retried = 0  # timed-out quorums retried (see begin_step)
 
     def begin_step(self) -> None:
-        """Join this step's quorum (once per step); a group that is behind heals here, before its forward."""
-        if not self._open:
+        """Join this step's quorum (once per step); a group that is behind heals here, before its forward.
+
+        A quorum that times out is retried once, when every process of this group timed out with it: another
+        group that lost a process (or has one hung) can hold the Lighthouse's quorum up until its own quorum
+        times out, and it then leaves (its processes do not pass this check), so the retry forms without it.
+        A process whose group is not whole raises the ``TimeoutError``, and its group is restarted and heals.
+        """
+        if self._open:
+            return
+        try:
             self.manager.start_quorum()
-            self._open = True
-            if self._align_replicas is not None and self.manager.current_step() == 0:
-                self._align_replicas()
+        except TimeoutError:
+            if not self._whole_group_timed_out():
+                raise
+            logger.warning("replica group %d: the quorum timed out after %g s; every process of this group is "
+                           "here, so it is retried once (another group was leaving)", self.group_id,
+                           self.timeouts.quorum)
+            forget_failed_quorum(self.manager)
+            self.quorums_retried += 1
+            self.manager.start_quorum()  # a second timeout is raised: the Lighthouse or every other group is gone
+        self._open = True
+        if self.align_group is not None and self.manager.current_step() == 0:
+            # Before the first commit the groups may hold different weights, and torchft heals each group rank
+            # from the same rank of a source group, spreading the ranks over the sources (its group ranks are
+            # shards): a group of replicated processes could mix two groups' weights. Every group's rank 0
+            # healed from (or is) rank 0's source, so aligning each group on its rank 0 makes every process
+            # equal. After a commit every group holds the same state, and any source will do.
+            self.align_group()
+
+    def _whole_group_timed_out(self) -> bool:
+        """Whether every process of this group reached the same timed-out quorum, within ``step_timeout``.
+
+        They meet on the group's own store (torchrun's, as torchft's Manager does), not on a process group:
+        a process that died or hangs is simply missing.
+        """
+        if self.group_size == 1:
+            return True
+        address = rendezvous_store()
+        if address is None:
+            return False
+        from torch.distributed import TCPStore
+
+        wait = timedelta(seconds=self.timeouts.step)
+        key = f"hasten_ft/quorum_timed_out/{self.manager.current_step()}/{self.quorums_retried}"
+        try:
+            store = TCPStore(address[0], address[1], is_master=False, wait_for_workers=False, timeout=wait)
+            if store.add(key, 1) == self.group_size:
+                store.set(f"{key}/all", "1")
+            store.wait([f"{key}/all"], wait)
+        except RuntimeError:  # a process of the group is missing (DistStoreError), or the store is gone
+            return False
+        return True
 
     def commit(self, params: Iterable[torch.Tensor]) -> bool:
         """Average the gradients over the quorum's groups; True when the optimizer may step.

@@ -17,9 +17,11 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from multiprocessing.connection import wait
 from typing import Any
 
+from hasten.config.env import PREEMPTION_DIR_VAR
 from hasten.exceptions import ConfigurationError, LaunchError
 from hasten.fault_tolerance.timeouts import (
     FAULT_TOLERANCE_VAR,
@@ -84,6 +86,8 @@ def _group_main(plan: LaunchPlan, options: LaunchOptions) -> None:
     code = 1
     try:
         code = run_torchrun(plan, options)
+    except BaseException:  # noqa: BLE001 - os._exit below would end the process before Python prints it
+        traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -151,7 +155,10 @@ class _Groups:
         self.restarts_left = GROUP_RESTARTS if options.group_restarts is None else options.group_restarts
 
     def start(self, group: int) -> None:
-        env = {**self.plan.env, REPLICA_GROUP_VAR: str(group), LIGHTHOUSE_VAR: self.lighthouse.address}
+        # Each group's agent gets a markers folder of its own (it makes one when none is given): the agent
+        # removes its folder when it ends, so a shared one is gone under a group that is still training.
+        env = {name: value for name, value in self.plan.env.items() if name != PREEMPTION_DIR_VAR}
+        env.update({REPLICA_GROUP_VAR: str(group), LIGHTHOUSE_VAR: self.lighthouse.address})
         port = _free_port()
         config = dataclasses.replace(self.plan.config, main_process_port=port)
         group_plan = dataclasses.replace(self.plan, launcher="torchrun", env=env, master_port=port, config=config,

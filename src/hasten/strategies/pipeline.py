@@ -239,6 +239,18 @@ class _PipelineRunner:
         dist.broadcast(output, src=self.last_rank, group=self.group)
         return output  # type: ignore[no-any-return]
 
+    def forward_only(self, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> None:
+        """Forward only, each micro-batch's labels to the last stage (a model computing its own loss in
+        evaluation); the last stage's module keeps what the caller needs, nothing is sent here."""
+        self._num_items = None
+        self._check_call(True, args, kwargs, labels)  # the batch splits into micro-batches
+        with torch.no_grad():
+            schedule = self._schedule(False, args, kwargs, labels)
+            if self.is_first:
+                schedule.step(*args, **kwargs)
+            else:
+                schedule.step(**({"labels": labels} if self.is_last else {}))
+
     def _check_call(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> int:
         """The batch size; refuses, on every process alike (they all hold the batch), a call the pipeline
         cannot run."""

@@ -12,8 +12,12 @@ full model's.
 Each stage runs the model's own forward (:class:`TransformersStage`): the first stage the base model
 from ``input_ids``, the next ones the base model from the received hidden states as ``inputs_embeds``
 (the skipped modules hand them through), the last one the whole model with ``labels``, so the loss
-is the model's ``loss_function``. ``attention_mask`` and ``position_ids`` travel with the hidden states.
+is the model's ``loss_function``. ``attention_mask`` and ``position_ids`` travel with the hidden states
+(and ``input_ids`` for heads other than a causal LM's: a classifier pools at the last real token).
 The cut model's own ``forward`` is routed into the pipeline too (Trainer evaluates the unwrapped model).
+In evaluation with labels the last stage runs the model's forward with them, as in training, and its
+outputs (loss, logits, a fused head's per-token ones) are sent to every stage. A PEFT wrapper is cut by
+its transformers model's plan under the wrapper's names (the adapters live inside the model's modules).
 
 The loss is token-normalised over the whole batch, as one process computes it: the last stage divides
 each micro-batch's token sum by ``num_items_in_batch`` when the caller passes it (Trainer does) and by
@@ -51,25 +55,61 @@ _CARRIED = ("attention_mask", "position_ids")
 _DROPPED = ("use_cache", "return_dict", "cache", "past_key_values")
 
 
+def wrapped_transformers_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """The transformers model inside a PEFT wrapper and its module name there; ``(model, "")`` for any other model.
+
+    PEFT's adapters (LoRA and the like) live inside the transformers model's own modules, so the wrapper is
+    cut by the inner model's plan under the wrapper's names (``base_model.model.`` + the plan's names).
+
+    Raises:
+        ConfigurationError: a prompt-learning method (prompt, prefix or P-tuning): its forward adds virtual
+            tokens outside the transformers model, which no stage could do for the others.
+    """
+    config = getattr(model, "active_peft_config", None) if hasattr(model, "peft_config") else None
+    get_base_model = getattr(model, "get_base_model", None)
+    if config is None or not callable(get_base_model):
+        return model, ""
+    if getattr(config, "is_prompt_learning", False):
+        raise ConfigurationError(
+            f"PEFT's {getattr(config, 'peft_type', 'prompt-learning')} adds virtual tokens in the wrapper's forward, "
+            "outside the transformers model's modules, which pipeline stages cannot split: under pp_size > 1 use an "
+            "adapter that lives inside the model's modules (LoRA, IA3, ...), or pp_size=1.")
+    inner = get_base_model()
+    name = next((name for name, module in model.named_modules() if module is inner and name), None)
+    return (inner, name) if name is not None else (model, "")
+
+
 def transformers_pp_plan(model: nn.Module) -> list[str] | None:
-    """The module names of ``model``'s pipeline plan in model order, or ``None`` for a model without one."""
-    plan = getattr(model, "pp_plan", None)
+    """The module names of ``model``'s pipeline plan in model order, or ``None`` for a model without one.
+
+    A head's modules registered after the base model and holding weights (a classifier's ``score``)
+    belong to the plan when the head's own ``_pp_plan`` does not name them: the last stage, which runs
+    the head's forward, holds them. A PEFT wrapper's plan is its transformers model's, under the
+    wrapper's names.
+    """
+    inner, prefix = wrapped_transformers_model(model)
+    plan = getattr(inner, "pp_plan", None)
     if not plan:  # transformers before the plans moved onto the model: the config's plan under the prefix
-        config_plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
-        prefix = getattr(model, "base_model_prefix", "")
-        base = getattr(model, prefix, None) if prefix else None
-        plan = {**(getattr(type(model), "_pp_plan", None) or {}),
-                **{(f"{prefix}.{k}" if isinstance(base, nn.Module) else k): v for k, v in config_plan.items()}}
-    if not plan or not hasattr(model, "base_model"):
+        config_plan = getattr(getattr(inner, "config", None), "base_model_pp_plan", None) or {}
+        base_prefix = getattr(inner, "base_model_prefix", "")
+        base = getattr(inner, base_prefix, None) if base_prefix else None
+        plan = {**(getattr(type(inner), "_pp_plan", None) or {}),
+                **{(f"{base_prefix}.{k}" if isinstance(base, nn.Module) else k): v for k, v in config_plan.items()}}
+    if not plan or not hasattr(inner, "base_model"):
         return None
+    children = [name for name, _ in inner.named_children()]
+    base_prefix = getattr(inner, "base_model_prefix", "")
+    heads = children[children.index(base_prefix) + 1:] if base_prefix in children else []
+    plan = [*plan, *(name for name in heads if name not in plan and any(True for _ in inner.get_submodule(name).parameters()))]
+    names = [f"{prefix}.{name}" if prefix else name for name in plan]
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    missing = [name for name in plan if name not in order]
+    missing = [name for name in names if name not in order]
     if missing:
         raise ConfigurationError(
             f"{type(model).__name__}'s pipeline plan names {missing}, which are not its own modules: a wrapped "
-            "transformers model (PEFT's, say) is not split under pp_size > 1 yet; prepare the transformers model "
+            "transformers model (other than PEFT's) is not split under pp_size > 1; prepare the transformers model "
             "itself.")
-    return sorted(plan, key=order.__getitem__)
+    return sorted(names, key=order.__getitem__)
 
 
 def _plan_units(model: nn.Module, plan: list[str]) -> tuple[list[tuple[str, bool]], list[str]]:
@@ -154,6 +194,9 @@ def transformers_stage_units(model: nn.Module, split_points: list[str] | None,
     units, _ = _plan_units(model, plan)
     points = split_points if split_points is not None else transformers_split_points(model, num_stages)
     names = [name for name, _ in units]
+    prefix = wrapped_transformers_model(model)[1]
+    if prefix:  # a PEFT wrapper: the transformers model's names (``model.layers.2``) name its units too
+        points = [point if point in names else f"{prefix}.{point}" for point in points]
     if len(points) != num_stages - 1 or any(point not in names for point in points):
         raise ConfigurationError(
             f"pp_size={num_stages} with {type(model).__name__} needs {num_stages - 1} split points among its pipeline "
@@ -180,11 +223,13 @@ class TransformersStage(nn.Module):
     """What this process's pipeline stage runs: the transformers model's own forward on its part.
 
     Per call the prepared model sets ``carried`` (the batch tensors handed along), ``constants`` (the
-    call's other arguments), ``loss_divisor`` and ``loss_multiplier``; in training the last stage keeps
-    each micro-batch's other per-token outputs (a fused head's ``log_probs``...) in ``extras``.
+    call's other arguments), ``loss_divisor`` and ``loss_multiplier``; with labels the last stage keeps
+    each micro-batch's other outputs in ``extras`` (a fused head's ``log_probs``...; in evaluation the
+    loss and the logits too).
 
     Args:
-        model: the cut model (the other stages' units skipped), under its full-model names.
+        model: the cut model (the other stages' units skipped), under its full-model names; a PEFT
+            wrapper's forward runs as the model's (its adapters sit inside the transformers model).
         stage_index: this stage.
         num_stages: stages in the pipeline.
     """
@@ -192,6 +237,7 @@ class TransformersStage(nn.Module):
     def __init__(self, model: nn.Module, stage_index: int, num_stages: int) -> None:
         super().__init__()
         self.model = model
+        inner = wrapped_transformers_model(model)[0]
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.carried: tuple[str, ...] = ()
         self.constants: dict[str, Any] = {}
@@ -201,11 +247,13 @@ class TransformersStage(nn.Module):
         self.own_loss = True
         self.extras: list[dict[str, torch.Tensor]] = []
         self.output_type: type | None = None
-        self.base_model: nn.Module = model.base_model  # type: ignore[assignment]
+        self.base_model: nn.Module = inner.base_model  # type: ignore[assignment]
         #: The model's forward as it was before the cut (a trainer may have patched it, as TRL's fused head does).
         self.model_forward: Any = model.forward
         base_parameters = inspect.signature(self.base_model.forward).parameters
         self._base_arguments = {name for name, p in base_parameters.items() if p.kind != p.VAR_KEYWORD}
+        if not self.is_first:  # input_ids handed along for a head (a classifier pools at the last token)
+            self.base_model.register_forward_pre_hook(_embeds_over_ids, with_kwargs=True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """First stages: ``(hidden states, *carried)``; the last: the micro-batch's loss share (or logits)."""
@@ -226,10 +274,22 @@ class TransformersStage(nn.Module):
             inputs["num_items_in_batch"] = self.loss_divisor
         output = self.model_forward(**inputs, labels=labels)
         self.output_type = type(output)
-        if torch.is_grad_enabled():  # training: kept for the caller (the last micro-batches' are sent)
-            self.extras.append({key: value.detach() for key, value in output.items()
-                                if isinstance(value, torch.Tensor) and key not in ("loss", "logits")})
-        return output.loss * self.loss_multiplier
+        training = torch.is_grad_enabled()  # kept for the caller (the last micro-batches' are sent)
+        self.extras.append({key: value.detach().reshape(1) if key == "loss" else value.detach()
+                            for key, value in output.items() if isinstance(value, torch.Tensor)
+                            and not (training and key in ("loss", "logits"))})
+        # Evaluation: the schedule only merges these; the caller adds up the losses kept above
+        return output.loss * self.loss_multiplier if training else output.loss.detach().reshape(1)
+
+
+def _embeds_over_ids(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The base model of a later stage runs from the received hidden states, not the handed-along ``input_ids``
+    (a transformers model takes one of the two; its head still reads the ids, to pool at the last token)."""
+    if kwargs.get("inputs_embeds") is None:
+        return None
+    if args:  # the ids given by position (a classifier's forward calls its base model so)
+        return (None, *args[1:]), kwargs
+    return args, {**kwargs, "input_ids": None}
 
 
 def _output_class(model: nn.Module) -> Any:
@@ -273,11 +333,12 @@ class TransformersPipelineCall:
 
     def __init__(self, model: nn.Module, stage: TransformersStage, runner: Any, group: Any,
                  tied: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]]) -> None:
-        self.model: Any = model  # a transformers model (its loss_function and config are read)
+        # The transformers model (its loss_function and config are read), inside a PEFT wrapper or not
+        self.model: Any = wrapped_transformers_model(model)[0]
         self.stage, self.runner, self.group, self.tied = stage, runner, group, tied
         self.last_rank = dist.get_global_rank(group, dist.get_world_size(group) - 1)
-        self.output_class = _output_class(model)
-        self.causal_lm = getattr(model, "loss_type", None) == "ForCausalLM"
+        self.output_class = _output_class(self.model)
+        self.causal_lm = getattr(self.model, "loss_type", None) == "ForCausalLM"
         self.scale = 1.0
         self._fresh = True
         self._sink: dict[str, torch.Tensor] = {}
@@ -300,11 +361,14 @@ class TransformersPipelineCall:
             kwargs.pop(name, None)
         labels = kwargs.get("labels")
         stage = self.stage
-        stage.carried = tuple(name for name in _CARRIED if isinstance(kwargs.get(name), torch.Tensor))
+        carried = _CARRIED if self.causal_lm else (*_CARRIED, "input_ids")  # other heads may read the ids
+        stage.carried = tuple(name for name in carried if isinstance(kwargs.get(name), torch.Tensor))
         stage.constants = {key: kwargs.pop(key) for key in list(kwargs)
                            if key != "labels" and not isinstance(kwargs[key], torch.Tensor)}
         stage.own_loss = self.runner.user_loss_fn is None
-        stage.loss_divisor = num_items
+        # A causal LM's loss divides its token sum by num_items_in_batch; other heads' losses are means (transformers'
+        # classifiers ignore the count), so the batch's loss is the mean of the equal micro-batches' own
+        stage.loss_divisor = num_items if self.causal_lm else None
         if num_items is None and self.causal_lm and isinstance(labels, torch.Tensor):
             stage.loss_divisor = (labels[..., 1:] != -100).sum()  # the batch's tokens, as one process counts them
         # The runner divides each micro-batch's loss by the micro-batches: a share of the batch's sum is not.
@@ -316,29 +380,38 @@ class TransformersPipelineCall:
         self._snapshots = [None if p is None or p.grad is None else p.grad.detach().clone() for p, _, _ in self.tied]
         stage.extras = []
         result = self.runner.step(module, args, kwargs)
-        output_class, extras = self._extras(labels, stage.constants)
+        output_class, extras = self._extras(labels, stage.constants, training=True)
         self._sink = {}
         self._label_mask = extras.get("label_mask")
         fields = {key: _probed(value, key, self._sink) if key == "log_probs" else value for key, value in extras.items()}
         return output_class(loss=_probed(result / self.scale, "loss", self._sink), **fields)
 
     def _evaluate(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> Any:
-        """Forward only: the logits on every process; with labels, a causal LM's own loss over them too."""
-        if labels is None or not self.stage.own_loss or not self.causal_lm:
+        """Forward only: the logits on every process; with labels, the model's own output with them.
+
+        With labels the last stage runs the model's forward with each micro-batch's labels, as in
+        training, and sends its outputs (the logits, a fused head's per-token ones) to every stage. The
+        micro-batches' losses add up to the batch's when each is divided by the batch's count (a causal
+        LM's tokens, or the caller's ``num_items_in_batch``); otherwise each is its micro-batch's mean, and
+        their mean is the batch's (the micro-batches are equal).
+        """
+        if labels is None or not self.stage.own_loss:
             result = self.runner.step(module, args, kwargs)  # refuses labels without a loss it can compute
             return self.output_class(logits=result) if labels is None else self.output_class(loss=result)
         del kwargs["labels"]
-        logits = self.runner.step(module, args, kwargs)
-        loss = self.model.loss_function(logits=logits, labels=labels, vocab_size=self.model.config.vocab_size,
-                                        num_items_in_batch=self.stage.loss_divisor)  # the caller's, as in training
-        return self.output_class(loss=loss, logits=logits)
+        self.stage.extras = []
+        self.runner.forward_only(args, kwargs, labels)
+        output_class, extras = self._extras(labels, self.stage.constants, training=False)
+        losses = extras.pop("loss")
+        loss = losses.sum() if self.stage.loss_divisor is not None else losses.mean()
+        return output_class(loss=loss, **extras)
 
-    def _extras(self, labels: Any, constants: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The last stage's output type and per-token outputs (whole batch), sent to every stage."""
+    def _extras(self, labels: Any, constants: dict[str, Any], *, training: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The last stage's output type and its outputs kept per micro-batch (whole batch), sent to every stage."""
         # The last micro-batches' (torch's shape inference of a new schedule runs the stage once before them).
         chunks = self.stage.extras[-self.runner.microbatches:]
         mine = {key: torch.cat([chunk[key] for chunk in chunks]) for key in (chunks[0] if chunks else ())}
-        key = (tuple(labels.shape) if isinstance(labels, torch.Tensor) else None,
+        key = (training, tuple(labels.shape) if isinstance(labels, torch.Tensor) else None,
                tuple(sorted((name, repr(value)) for name, value in constants.items())))
         if key not in self._meta:  # once per batch shape: the type, names, shapes and dtypes
             meta: list[Any] = [None]
@@ -432,6 +505,8 @@ def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, sta
     units = transformers_stage_units(model, split_points, num_stages)
     tied = []
     for param, stages in _tied_weights(model, units):
+        if not param.requires_grad:  # frozen (a PEFT model's base weights): no gradients to sum
+            continue
         held = stage_index in stages
         if held and stage_index != stages[0]:
             setattr(param, PP_TIED_MIRROR, True)
@@ -441,9 +516,56 @@ def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, sta
     mine = {id(p) for name, stage in units if stage == stage_index for p in model.get_submodule(name).parameters()}
     kept = [(name, stage_index if params and {id(p) for p in params} <= mine else stage) for name, stage in units
             for params in [list(model.get_submodule(name).parameters())]]
+    inner = wrapped_transformers_model(model)[0]
+    skeletons = {name: model.get_submodule(name) for name, stage in kept if stage != stage_index}
     skip_other_stages(model, kept, stage_index)
+    if inner is not model:
+        _save_adapters_of_every_stage(model, {name: _to_meta(unit) for name, unit in skeletons.items()})
+        _guard_save_pretrained(inner)  # the transformers model (merge_and_unload returns it) holds one stage too
     _guard_save_pretrained(model)
     return model, TransformersStage(model, stage_index, num_stages), tied
+
+
+def _to_meta(unit: nn.Module) -> nn.Module:
+    """``unit`` (just cut away from this stage) with its weights replaced by shapeless meta tensors, in place.
+
+    The Parameter objects are replaced in ``unit``'s own tables, not changed: one this stage shares (a tied
+    weight) stays whole where the stage holds it, and the others are freed with the optimizer's reference.
+    """
+    for module in unit.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                module._parameters[key] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = torch.empty_like(buffer, device="meta")
+    return unit
+
+
+def _save_adapters_of_every_stage(model: nn.Module, skeletons: dict[str, nn.Module]) -> None:
+    """A PEFT wrapper's ``save_pretrained(path, state_dict=full)`` writes every stage's adapter weights.
+
+    PEFT picks the adapter's entries of ``state_dict`` by visiting the adapter layers of the model it is
+    called on, which on a cut stage are that stage's only; for the call the other stages' units come back
+    as meta-tensor skeletons (their names, no weights), and the values are the given state dict's.
+    """
+    save_pretrained: Any = model.save_pretrained
+
+    def save_with_every_stage(*args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
+        if state_dict is None:
+            return save_pretrained(*args, **kwargs)
+        skipped = {name: model.get_submodule(name) for name in skeletons}
+        try:
+            for name, unit in skeletons.items():
+                parent, _, child = name.rpartition(".")
+                model.get_submodule(parent).register_module(child, unit)
+            return save_pretrained(*args, state_dict=state_dict, **kwargs)
+        finally:
+            for name, unit in skipped.items():
+                parent, _, child = name.rpartition(".")
+                model.get_submodule(parent).register_module(child, unit)
+
+    model.save_pretrained = save_with_every_stage  # type: ignore[assignment]
 
 
 def _guard_save_pretrained(model: nn.Module) -> None:
@@ -473,4 +595,5 @@ def _guard_save_pretrained(model: nn.Module) -> None:
 
 
 __all__ = ["PP_TIED_MIRROR", "TransformersPipelineCall", "TransformersStage", "cut_transformers_stage",
-           "transformers_pp_plan", "transformers_split_points", "transformers_stage_units"]
+           "transformers_pp_plan", "transformers_split_points", "transformers_stage_units",
+           "wrapped_transformers_model"]

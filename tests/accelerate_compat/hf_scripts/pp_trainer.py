@@ -1,9 +1,9 @@
 """Transformers' Trainer or TRL's SFTTrainer on a tiny Llama (from a config, synthetic text, no hub), unchanged
 whatever the launch config's pipeline size. Rank 0 prints one ``RESULT {json}`` line with the logged losses (and
-Trainer's evaluation loss) and writes the final full weights (``accelerator.get_state_dict``) to ``weights.pt``;
+the evaluation's metrics) and writes the final full weights (``accelerator.get_state_dict``) to ``weights.pt``;
 every process then calls ``accelerator.save_model`` into ``final/`` (the documented way to save under pp_size > 1).
 With ``--save_steps N`` Trainer checkpoints every N steps (refused under pp_size > 1, see docs/nd-parallelism.md);
-``--resume FOLDER`` resumes from such a checkpoint.
+``--resume FOLDER`` resumes from such a checkpoint; ``--lora`` trains a PEFT LoRA adapter.
 
 Run under ``hasten launch`` (a config with ``parallelism_config_pp_size``) or plain ``python --alias``.
 """
@@ -18,6 +18,8 @@ parser.add_argument("--accumulation", type=int, default=1)
 parser.add_argument("--tied", action="store_true")
 parser.add_argument("--save_steps", type=int, default=0)
 parser.add_argument("--resume", default=None, help="a Trainer checkpoint folder to resume from")
+parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter (Trainer: get_peft_model; SFT: "
+                    "peft_config); rank 0 also writes the adapter with save_pretrained into adapter/")
 options = parser.parse_args()
 if options.alias:
     import hasten
@@ -86,26 +88,43 @@ def main():
                   **(dict(save_strategy="steps", save_steps=options.save_steps) if options.save_steps else
                      dict(save_strategy="no")))
     losses = Losses()
+    lora = None
+    if options.lora:
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"],
+                          task_type="CAUSAL_LM")
     if options.trainer == "sft":
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
-        config = SFTConfig(max_length=8, bf16=False, **common)
+        config = SFTConfig(max_length=8, bf16=False, per_device_eval_batch_size=8, **common)
         trainer = SFTTrainer(model=llama(), args=config, train_dataset=Dataset.from_dict({"text": sentences()}),
-                             processing_class=tok, callbacks=[losses])
+                             eval_dataset=Dataset.from_dict({"text": sentences(16, seed=1)}), processing_class=tok,
+                             callbacks=[losses], peft_config=lora)
     else:
         data = lm_dataset(tok)
-        trainer = Trainer(model=llama(), args=TrainingArguments(per_device_eval_batch_size=8, **common),
+        model = llama()
+        if lora is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
+        trainer = Trainer(model=model, args=TrainingArguments(per_device_eval_batch_size=8, **common),
                           train_dataset=data, eval_dataset=data[:16], callbacks=[losses])
+    frozen = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if not p.requires_grad}
     trainer.train(resume_from_checkpoint=options.resume)
-    evaluated = trainer.evaluate() if options.trainer == "trainer" else {}
+    evaluated = trainer.evaluate()
     accelerator = trainer.accelerator
     weights = accelerator.get_state_dict(trainer.model_wrapped)
     if accelerator.is_main_process:
         torch.save({k: v.detach().cpu() for k, v in weights.items()}, "weights.pt")
+        if options.lora:  # PEFT picks the adapter's entries of the full weights
+            accelerator.unwrap_model(trainer.model_wrapped).save_pretrained("adapter", state_dict=weights)
         parallelism = accelerator.parallelism_config
         print("RESULT " + json.dumps({"processes": accelerator.num_processes, "losses": losses.losses,
-                                      "eval_loss": evaluated.get("eval_loss"),
+                                      "eval_loss": evaluated.get("eval_loss"), "eval": evaluated,
+                                      "frozen_moved": max((float((weights[n] - w).abs().max()) for n, w in
+                                                           frozen.items()), default=0.0), "frozen": len(frozen),
                                       "pp_size": getattr(parallelism, "pp_size", 1) or 1}), flush=True)
     accelerator.save_model(trainer.model_wrapped, "final")  # every process: it gathers the stages
 
