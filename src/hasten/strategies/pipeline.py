@@ -364,9 +364,9 @@ class PipelineStrategy(Strategy):
                 self._layouts[id(optimizer)] = optimizer_layout(models[0], optimizer)
             except CheckpointError as error:  # raised if it is ever saved: training needs no names
                 self._layouts[id(optimizer)] = str(error)
-        hf_stage: pipeline_hf.TransformersStage | None = None
+        hf_stages: list[pipeline_hf.TransformersStage] | None = None
         if transformers_model:
-            model, stage_modules, hf_stage, tied = self._cut_transformers(models[0])
+            model, stage_modules, hf_stages, tied = self._cut_transformers(models[0])
         else:
             model, stage_modules = self._cut(models[0])
         if device_placement[0]:
@@ -376,7 +376,7 @@ class PipelineStrategy(Strategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in kept]
-        if hf_stage is not None and tied and shards_stages(self.config):
+        if hf_stages is not None and tied and shards_stages(self.config):
             # The tie is kept by summing two stages' full gradients after the schedule; FSDP2/TP have
             # reduce-scattered them into shards by then, which that sum does not handle yet.
             raise ConfigurationError(
@@ -388,23 +388,23 @@ class PipelineStrategy(Strategy):
         runner = _PipelineRunner(model, stage_modules, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
-        if hf_stage is not None:
-            call = pipeline_hf.TransformersPipelineCall(model, hf_stage, runner, self._pp_group(), tied)
+        if hf_stages is not None:
+            call = pipeline_hf.TransformersPipelineCall(model, hf_stages, runner, self._pp_group(), tied)
             return [PipelinedModel(model, runner, call)], optimizers
         return [PipelinedModel(model, runner)], optimizers
 
     def _cut_transformers(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module], Any, Any]:
-        """Cut a transformers model by its plan into this process's one stage (the single-stage schedules)."""
+        """Cut a transformers model by its plan into this process's stages (several under the interleaved,
+        looped and V schedules)."""
         processes, rank = int(self.config.pp_size), int(self.device_mesh.get_local_rank("pp"))  # type: ignore[arg-type]
         schedule = str(self.config.pp_schedule)
-        if schedule in PP_MULTI_STAGE:
-            raise ConfigurationError(
-                f"pp_schedule={schedule!r} places several stages on each process, which a model cut by its "
-                f"transformers plan ({type(model).__name__}) does not support yet: use pp_schedule='1F1B' or 'GPipe'.")
-        check_schedule(schedule, processes, processes, self.config.pipeline_microbatches)
         points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
-        cut, hf_stage, tied = pipeline_hf.cut_transformers_stage(model, points, rank, processes)
-        return cut, {rank: hf_stage}, hf_stage, tied
+        # Without split points: an even split into the schedule's stages (two per process where it places several).
+        num_stages = processes * self.config.pipeline_stages_per_process if points is None else len(points) + 1
+        check_schedule(schedule, processes, num_stages, self.config.pipeline_microbatches)
+        kept = local_stages(schedule, processes, num_stages, rank)
+        cut, stage_modules, tied = pipeline_hf.cut_transformers_stages(model, points, kept, num_stages)
+        return cut, dict(stage_modules), list(stage_modules.values()), tied
 
     def _cut(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module]]:
         """Check the schedule can run, then cut ``model`` (in place) into this process's stages.

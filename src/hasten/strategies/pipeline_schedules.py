@@ -116,7 +116,18 @@ def cut_stages(model: nn.Module, split_points: list[str], kept: list[int], num_s
         ``{stage: module}``: a module that runs only that stage's modules (names as in the full model),
         sharing ``model``'s modules and parameters.
     """
-    units = stage_units(model, split_points, num_stages)
+    return stage_views(model, stage_units(model, split_points, num_stages), kept)
+
+
+def stage_views(model: nn.Module, units: list[tuple[str, int]], kept: list[int]) -> dict[int, nn.Module]:
+    """Skip (in place) the ``units`` of stages not in ``kept``; return a view of ``model`` per kept stage.
+
+    Args:
+        model: the full model.
+        units: ``(module name, stage)`` pairs in model order; modules that are neither a unit nor an
+            ancestor of one (a transformers model's rotary embedding) are shared by every view.
+        kept: the stages this process holds.
+    """
     for name, stage in units:
         if stage not in kept:
             _replace(model, name, SkippedModule(name))
@@ -139,7 +150,7 @@ def _view(module: nn.Module, prefix: str, ancestors: set[str], owner: dict[str, 
         name = f"{prefix}{child_name}"
         if name in ancestors and name not in owner:
             view._modules[child_name] = _view(child, f"{name}.", ancestors, owner, stage)  # type: ignore[arg-type]
-        elif owner.get(name) == stage:
+        elif name not in owner or owner[name] == stage:  # this stage's unit, or a module every stage shares
             view._modules[child_name] = child
         else:
             view._modules[child_name] = SkippedModule(name)
@@ -190,16 +201,24 @@ def forward_through_stages(stage_calls: Mapping[int, nn.Module], owners: Mapping
         if owners[stage] != me:
             continue
         if stage > 0 and owners[stage - 1] != me:
+            source = dist.get_global_rank(group, owners[stage - 1])
             meta: list[Any] = [None]
-            dist.recv_object_list(meta, src=dist.get_global_rank(group, owners[stage - 1]), group=group)
-            hidden = torch.empty(meta[0][0], dtype=meta[0][1], device=device)
-            dist.recv(hidden, src=dist.get_global_rank(group, owners[stage - 1]), group=group)
-        hidden = stage_calls[stage](*args, **kwargs) if stage == 0 else stage_calls[stage](hidden, **kwargs)
+            dist.recv_object_list(meta, src=source, group=group)
+            hidden = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta[0])
+            for tensor in hidden:
+                dist.recv(tensor, src=source, group=group)
+        # A stage's outputs are the next stage's positional inputs (one tensor, or a tuple of them), as torch's are.
+        inputs = args if stage == 0 else hidden if isinstance(hidden, tuple) else (hidden,)
+        hidden = stage_calls[stage](*inputs, **kwargs)
         if stage + 1 < len(owners) and owners[stage + 1] != me:
             peer = dist.get_global_rank(group, owners[stage + 1])
-            dist.send_object_list([(tuple(hidden.shape), hidden.dtype)], dst=peer, group=group)
-            dist.send(hidden.contiguous(), dst=peer, group=group)
+            outputs = hidden if isinstance(hidden, tuple) else (hidden,)
+            dist.send_object_list([[(tuple(t.shape), t.dtype) for t in outputs]], dst=peer, group=group)
+            for tensor in outputs:
+                dist.send(tensor.contiguous(), dst=peer, group=group)
+            hidden = None
     return hidden if owners[len(owners) - 1] == me else None
 
 
-__all__ = ["StageCall", "check_schedule", "cut_stages", "forward_through_stages", "local_stages", "stage_ranks"]
+__all__ = ["StageCall", "check_schedule", "cut_stages", "forward_through_stages", "local_stages", "stage_ranks",
+           "stage_views"]
