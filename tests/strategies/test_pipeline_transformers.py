@@ -287,10 +287,10 @@ def test_pp2_by_ddp2_with_tied_embeddings_equals_ddp():
 
 
 
-def _pp_by_fsdp2_grads():
+def _pp_by_fsdp2_grads(schedule: str = "1F1B"):
     from hasten import Accelerator, ParallelismConfig
 
-    config = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_microbatches=2)
+    config = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_microbatches=2, pp_schedule=schedule)
     accelerator = Accelerator(parallelism_config=config, cpu=True)
     model = accelerator.prepare(_llama(tied=False))
     shard = int(accelerator.torch_device_mesh.get_local_rank("dp_shard"))
@@ -299,13 +299,15 @@ def _pp_by_fsdp2_grads():
     return {name: p.grad.full_tensor().clone() for name, p in unwrapped.named_parameters() if p.grad is not None}
 
 
-def test_pp2_by_fsdp2_of_a_transformers_model_equals_data_parallel():
-    """The stage of a model cut by its plan is sharded over dp_shard like any other stage: its gradients are
-    the average of the two halves' losses, as data parallelism gives."""
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_pp2_by_fsdp2_of_a_transformers_model_equals_data_parallel(schedule):
+    """The stage of a model cut by its plan (two of four per process under Interleaved1F1B) is sharded over
+    dp_shard like any other stage: its gradients are the average of the two halves' losses, as data
+    parallelism gives."""
     model = _llama(tied=False)
     (sum(model(**_replica_half(_batches()[0], half)).loss for half in range(2)) / 2).backward()
     want = dict(model.named_parameters())
-    results = run_on_ranks(_pp_by_fsdp2_grads, world_size=4)
+    results = run_on_ranks(_pp_by_fsdp2_grads, world_size=4, args=(schedule,))
     for grads in results:
         for name, grad in grads.items():
             assert torch.allclose(grad, want[name].grad, rtol=0, atol=1e-6), name
