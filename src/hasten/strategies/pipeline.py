@@ -59,7 +59,7 @@ from hasten.strategies.pipeline_schedules import (
     StageCall,
     check_schedule,
     cut_stages,
-    forward_through_stages,
+    forward_only_schedule,
     local_stages,
     stage_ranks,
 )
@@ -168,15 +168,18 @@ class _PipelineRunner:
             stages = [pipelining.PipelineStage(call, index, self.num_stages, self.device, group=self.group)
                       for index, call in self.stage_calls.items()]
             schedule_class = getattr(pipelining, PP_SCHEDULES[self.schedule_name])
-            if self.schedule_name in PP_MULTI_STAGE:
-                # (evaluation walks the stages itself: forward_through_stages)
+            if self.schedule_name in PP_MULTI_STAGE and not training:
+                self.schedules[key] = forward_only_schedule(self.schedule_name, stages, self.owners, self.microbatches)
+            elif self.schedule_name in PP_MULTI_STAGE:
                 self.schedules[key] = schedule_class(stages, n_microbatches=self.microbatches,
                                                      loss_fn=self._micro_batch_loss, scale_grads=False)
             elif training:
                 self.schedules[key] = schedule_class(stages[0], n_microbatches=self.microbatches,
                                                      loss_fn=self._micro_batch_loss, scale_grads=False)
             else:
-                self.schedules[key] = pipelining.ScheduleGPipe(stages[0], n_microbatches=self.microbatches)
+                # scale_grads=False: torch's GPipe divides the held gradients by the micro-batches even without a loss.
+                self.schedules[key] = pipelining.ScheduleGPipe(stages[0], n_microbatches=self.microbatches,
+                                                               scale_grads=False)
         return self.schedules[key]
 
     def step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -217,11 +220,8 @@ class _PipelineRunner:
     def _evaluate(self, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> torch.Tensor:
         """Forward only; the output (or ``loss_fn(output, labels)``) sent from the last stage to every stage."""
         with torch.no_grad():
-            if self.schedule_name in PP_MULTI_STAGE:
-                output = forward_through_stages(self.stage_calls, self.owners, self.group, self.device, args, kwargs)
-            else:
-                schedule = self._schedule(False, args, kwargs, labels)
-                output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
+            schedule = self._schedule(False, args, kwargs, labels)
+            output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
             if self.is_last and labels is not None:
                 extra = {} if self._num_items is None else {"num_items_in_batch": self._num_items}
                 output = self.user_loss_fn(output, labels, **extra)  # type: ignore[misc]
