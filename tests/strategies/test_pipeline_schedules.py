@@ -350,7 +350,7 @@ def _evaluated_under_every_schedule():
         rows: set[int] = set()
         for module in accelerator.unwrap_model(model).modules():
             if isinstance(module, nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: rows.add(args[0].shape[0]))
+                module.register_forward_pre_hook(lambda _, args, seen=rows: seen.add(args[0].shape[0]))
         model.eval()
         with torch.no_grad():
             outputs, loss = model(x), model(x, labels=y)

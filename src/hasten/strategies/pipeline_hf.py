@@ -14,6 +14,8 @@ from ``input_ids``, the next ones the base model from the received hidden states
 (the skipped modules hand them through), the last one the whole model with ``labels``, so the loss
 is the model's ``loss_function``. ``attention_mask`` and ``position_ids`` travel with the hidden states.
 The cut model's own ``forward`` is routed into the pipeline too (Trainer evaluates the unwrapped model).
+Under the schedules with several stages per process, each of the process's stages runs this on a view
+of the cut model that holds only that stage's units (:func:`cut_transformers_stages`).
 
 The loss is token-normalised over the whole batch, as one process computes it: the last stage divides
 each micro-batch's token sum by ``num_items_in_batch`` when the caller passes it (Trainer does) and by

@@ -4,7 +4,8 @@
 With ``ParallelismConfig(pp_size=P, dp_shard_size=S, tp_size=T)`` (and optionally ``dp_replicate_size=R``:
 HSDP) the run's one mesh is ``(pp, dp_replicate, dp_shard, tp)``, pipeline outermost (stages exchange only
 activations) and tensor parallel innermost. Every process holds one stage (the model with the other
-stages' modules made no-ops, names kept), applies the tensor-parallel plan to the stage's own modules on
+stages' modules made no-ops, names kept; two or more stages under Interleaved1F1B and LoopedBFS, whose
+views share the modules sharded here), applies the tensor-parallel plan to the stage's own modules on
 the ``tp`` dimension (as :mod:`hasten.strategies.nd` does for a whole model), and shards it with FSDP2 over
 the ``dp_shard`` dimension (``(dp_replicate, dp_shard)`` for HSDP; a ``dp_shard`` of 1 under PP x TP alone,
 where FSDP2 keeps whole parameters and only reduces across replicas):
