@@ -49,11 +49,11 @@ DATA_PARALLEL = {"dp_shard": {"dp_shard_size": 2}, "dp_replicate": {"dp_replicat
 
 def _composed(dimension: str, accumulation: int, schedule: str = "1F1B"):
     """PP2 x (dp_shard 2 | dp_replicate 2 | both): each data-parallel rank reads its share of every step's batch.
-    Under Interleaved1F1B each process holds two of four stages."""
+    Under Interleaved1F1B and LoopedBFS each process holds two of four stages."""
     from hasten import Accelerator, ParallelismConfig
 
     sizes = DATA_PARALLEL[dimension]
-    points = SPLITS[4] if schedule == "Interleaved1F1B" else SPLITS[2]
+    points = SPLITS[4] if schedule in ("Interleaved1F1B", "LoopedBFS") else SPLITS[2]
     config = ParallelismConfig(pp_size=2, pp_microbatches=2, pp_split_points=points, pp_schedule=schedule, **sizes)
     accelerator = Accelerator(parallelism_config=config, cpu=True, gradient_accumulation_steps=accumulation)
     model = _model()
@@ -77,9 +77,10 @@ def _composed(dimension: str, accumulation: int, schedule: str = "1F1B"):
 @pytest.mark.parametrize(("dimension", "accumulation", "world", "schedule"),
                          [("dp_shard", 1, 4, "1F1B"), ("dp_shard", 2, 4, "1F1B"), ("dp_replicate", 1, 4, "1F1B"),
                           ("hsdp", 1, 8, "1F1B"), ("dp_shard", 1, 4, "Interleaved1F1B"),
-                          ("dp_shard", 2, 4, "Interleaved1F1B")])
+                          ("dp_shard", 2, 4, "Interleaved1F1B"), ("dp_shard", 1, 4, "LoopedBFS")])
 def test_pp2_x_data_parallel_equals_one_process_over_ten_steps(dimension, accumulation, world, schedule):
-    """PP2 x FSDP2(2) (also with accumulation 2, and with two stages per process under Interleaved1F1B),
+    """PP2 x FSDP2(2) (also with accumulation 2, and with two stages per process under Interleaved1F1B and
+    LoopedBFS),
     PP2 x DDP2, and PP2 x HSDP(2 x 2) on 8 processes."""
     want_losses, want_weights = _reference(accumulation=accumulation)
     results = run_on_ranks(_composed, world_size=world, args=(dimension, accumulation, schedule))
