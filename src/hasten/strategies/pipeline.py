@@ -54,7 +54,13 @@ from hasten.strategies.pipeline_checkpoint import (
     save_sharded,
     stage_optimizer_state,
 )
-from hasten.strategies.pipeline_nd import full_value, local_part, shard_stage, shards_stages
+from hasten.strategies.pipeline_nd import (
+    check_sharded_schedule,
+    full_value,
+    local_part,
+    shard_stage,
+    shards_stages,
+)
 from hasten.strategies.pipeline_schedules import (
     StageCall,
     check_schedule,
@@ -296,20 +302,6 @@ def _own_loss(output: Any) -> torch.Tensor:
     return loss  # type: ignore[no-any-return]
 
 
-#: The schedules that split each backward into input and weight gradients (torch's ``stage_backward_weight``).
-_SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def _check_sharded_schedule(schedule: str, config: ParallelismConfig) -> None:
-    """Refuse a split-backward schedule over sharded or tensor-parallel stages: its weight gradients,
-    computed apart from the backward, come out wrong there (measured: off by 6e-2 after 3 steps)."""
-    if schedule in _SPLIT_BACKWARD and shards_stages(config):
-        raise ConfigurationError(
-            f"pp_schedule={schedule!r} computes weight gradients apart from the backward, which FSDP2/TP stages "
-            "(dp_shard_size/tp_size) do not reduce correctly: use 'Interleaved1F1B' or 'LoopedBFS' there (or "
-            "'1F1B'/'GPipe'), or dp_replicate_size.")
-
-
 def check_divisible(batch_size: int, microbatches: int) -> None:
     """Refuse a batch that does not split into ``microbatches`` equal micro-batches."""
     if batch_size % microbatches:
@@ -416,7 +408,7 @@ class PipelineStrategy(Strategy):
         # Without split points: an even split into the schedule's stages (two per process where it places several).
         num_stages = processes * self.config.pipeline_stages_per_process if points is None else len(points) + 1
         check_schedule(schedule, processes, num_stages, self.config.pipeline_microbatches)
-        _check_sharded_schedule(schedule, self.config)
+        check_sharded_schedule(schedule, self.config)
         kept = local_stages(schedule, processes, num_stages, rank)
         cut, stage_modules, tied = pipeline_hf.cut_transformers_stages(model, points, kept, num_stages)
         return cut, dict(stage_modules), list(stage_modules.values()), tied
@@ -433,7 +425,7 @@ class PipelineStrategy(Strategy):
         check_schedule(schedule, processes, num_stages, self.config.pipeline_microbatches)
         if schedule not in PP_MULTI_STAGE:
             return cut_stage(model, points, rank, processes), {rank: model}
-        _check_sharded_schedule(schedule, self.config)
+        check_sharded_schedule(schedule, self.config)
         stage_modules = cut_stages(model, points, local_stages(schedule, processes, num_stages, rank), num_stages)
         return model, stage_modules
 
