@@ -54,12 +54,18 @@ from hasten.strategies.pipeline_checkpoint import (
     save_sharded,
     stage_optimizer_state,
 )
-from hasten.strategies.pipeline_nd import full_value, local_part, shard_stage, shards_stages
+from hasten.strategies.pipeline_nd import (
+    check_sharded_schedule,
+    full_value,
+    local_part,
+    shard_stage,
+    shards_stages,
+)
 from hasten.strategies.pipeline_schedules import (
     StageCall,
     check_schedule,
     cut_stages,
-    forward_through_stages,
+    forward_only_schedule,
     local_stages,
     stage_ranks,
 )
@@ -168,15 +174,18 @@ class _PipelineRunner:
             stages = [pipelining.PipelineStage(call, index, self.num_stages, self.device, group=self.group)
                       for index, call in self.stage_calls.items()]
             schedule_class = getattr(pipelining, PP_SCHEDULES[self.schedule_name])
-            if self.schedule_name in PP_MULTI_STAGE:
-                # (evaluation walks the stages itself: forward_through_stages)
+            if self.schedule_name in PP_MULTI_STAGE and not training:
+                self.schedules[key] = forward_only_schedule(self.schedule_name, stages, self.owners, self.microbatches)
+            elif self.schedule_name in PP_MULTI_STAGE:
                 self.schedules[key] = schedule_class(stages, n_microbatches=self.microbatches,
                                                      loss_fn=self._micro_batch_loss, scale_grads=False)
             elif training:
                 self.schedules[key] = schedule_class(stages[0], n_microbatches=self.microbatches,
                                                      loss_fn=self._micro_batch_loss, scale_grads=False)
             else:
-                self.schedules[key] = pipelining.ScheduleGPipe(stages[0], n_microbatches=self.microbatches)
+                # scale_grads=False: torch's GPipe divides the held gradients by the micro-batches even without a loss.
+                self.schedules[key] = pipelining.ScheduleGPipe(stages[0], n_microbatches=self.microbatches,
+                                                               scale_grads=False)
         return self.schedules[key]
 
     def step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -217,11 +226,8 @@ class _PipelineRunner:
     def _evaluate(self, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> torch.Tensor:
         """Forward only; the output (or ``loss_fn(output, labels)``) sent from the last stage to every stage."""
         with torch.no_grad():
-            if self.schedule_name in PP_MULTI_STAGE:
-                output = forward_through_stages(self.stage_calls, self.owners, self.group, self.device, args, kwargs)
-            else:
-                schedule = self._schedule(False, args, kwargs, labels)
-                output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
+            schedule = self._schedule(False, args, kwargs, labels)
+            output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
             if self.is_last and labels is not None:
                 extra = {} if self._num_items is None else {"num_items_in_batch": self._num_items}
                 output = self.user_loss_fn(output, labels, **extra)  # type: ignore[misc]
@@ -246,10 +252,11 @@ class _PipelineRunner:
         self._check_call(True, args, kwargs, labels)  # the batch splits into micro-batches
         with torch.no_grad():
             schedule = self._schedule(False, args, kwargs, labels)
+            last = {"labels": labels} if self.is_last else {}  # a V placement holds the first and the last stage
             if self.is_first:
-                schedule.step(*args, **kwargs)
+                schedule.step(*args, **kwargs, **last)
             else:
-                schedule.step(**({"labels": labels} if self.is_last else {}))
+                schedule.step(**last)
 
     def _check_call(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> int:
         """The batch size; refuses, on every process alike (they all hold the batch), a call the pipeline
@@ -376,9 +383,9 @@ class PipelineStrategy(Strategy):
                 self._layouts[id(optimizer)] = optimizer_layout(models[0], optimizer)
             except CheckpointError as error:  # raised if it is ever saved: training needs no names
                 self._layouts[id(optimizer)] = str(error)
-        hf_stage: pipeline_hf.TransformersStage | None = None
+        hf_stages: list[pipeline_hf.TransformersStage] | None = None
         if transformers_model:
-            model, stage_modules, hf_stage, tied = self._cut_transformers(models[0])
+            model, stage_modules, hf_stages, tied = self._cut_transformers(models[0])
         else:
             model, stage_modules = self._cut(models[0])
         if device_placement[0]:
@@ -388,7 +395,7 @@ class PipelineStrategy(Strategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in kept]
-        if hf_stage is not None and tied and shards_stages(self.config):
+        if hf_stages is not None and tied and shards_stages(self.config):
             # The tie is kept by summing two stages' full gradients after the schedule; FSDP2/TP have
             # reduce-scattered them into shards by then, which that sum does not handle yet.
             raise ConfigurationError(
@@ -400,23 +407,24 @@ class PipelineStrategy(Strategy):
         runner = _PipelineRunner(model, stage_modules, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
-        if hf_stage is not None:
-            call = pipeline_hf.TransformersPipelineCall(model, hf_stage, runner, self._pp_group(), tied)
+        if hf_stages is not None:
+            call = pipeline_hf.TransformersPipelineCall(model, hf_stages, runner, self._pp_group(), tied)
             return [PipelinedModel(model, runner, call)], optimizers
         return [PipelinedModel(model, runner)], optimizers
 
     def _cut_transformers(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module], Any, Any]:
-        """Cut a transformers model by its plan into this process's one stage (the single-stage schedules)."""
+        """Cut a transformers model by its plan into this process's stages (several under the interleaved,
+        looped and V schedules)."""
         processes, rank = int(self.config.pp_size), int(self.device_mesh.get_local_rank("pp"))  # type: ignore[arg-type]
         schedule = str(self.config.pp_schedule)
-        if schedule in PP_MULTI_STAGE:
-            raise ConfigurationError(
-                f"pp_schedule={schedule!r} places several stages on each process, which a model cut by its "
-                f"transformers plan ({type(model).__name__}) does not support yet: use pp_schedule='1F1B' or 'GPipe'.")
-        check_schedule(schedule, processes, processes, self.config.pipeline_microbatches)
         points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
-        cut, hf_stage, tied = pipeline_hf.cut_transformers_stage(model, points, rank, processes)
-        return cut, {rank: hf_stage}, hf_stage, tied
+        # Without split points: an even split into the schedule's stages (two per process where it places several).
+        num_stages = processes * self.config.pipeline_stages_per_process if points is None else len(points) + 1
+        check_schedule(schedule, processes, num_stages, self.config.pipeline_microbatches)
+        check_sharded_schedule(schedule, self.config)
+        kept = local_stages(schedule, processes, num_stages, rank)
+        cut, stage_modules, tied = pipeline_hf.cut_transformers_stages(model, points, kept, num_stages)
+        return cut, dict(stage_modules), list(stage_modules.values()), tied
 
     def _cut(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module]]:
         """Check the schedule can run, then cut ``model`` (in place) into this process's stages.
@@ -430,10 +438,7 @@ class PipelineStrategy(Strategy):
         check_schedule(schedule, processes, num_stages, self.config.pipeline_microbatches)
         if schedule not in PP_MULTI_STAGE:
             return cut_stage(model, points, rank, processes), {rank: model}
-        if shards_stages(self.config):
-            raise ConfigurationError(
-                f"pp_schedule={schedule!r} places several stages on each process, which does not compose with "
-                "dp_shard_size/tp_size yet: use pp_schedule='1F1B' or 'GPipe' there, or dp_replicate_size.")
+        check_sharded_schedule(schedule, self.config)
         stage_modules = cut_stages(model, points, local_stages(schedule, processes, num_stages, rank), num_stages)
         return model, stage_modules
 
