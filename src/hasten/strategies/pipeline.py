@@ -40,6 +40,8 @@ from hasten.checkpointing.sinks import Sink
 from hasten.config.parallelism import PP_MULTI_STAGE, PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
+from hasten.runtime.process_group import add_before_end_hook
+from hasten.runtime.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.strategies import pipeline_hf
 from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_single_process_files
 from hasten.strategies.pipeline_checkpoint import (
@@ -49,6 +51,8 @@ from hasten.strategies.pipeline_checkpoint import (
     full_weights,
     load_full_into_sharded,
     load_sharded,
+    merged_optimizer_state,
+    named_optimizer_state,
     optimizer_layout,
     optimizer_state_for_stage,
     save_sharded,
@@ -64,6 +68,13 @@ from hasten.strategies.pipeline_schedules import (
     stage_ranks,
 )
 from hasten.strategies.pipeline_split import cut_stage
+from hasten.strategies.pipeline_state_service import (
+    MODEL,
+    OPTIMIZER,
+    StageStateService,
+    StepClock,
+    main_pipeline_ranks,
+)
 
 #: ``CheckedState.models`` of a DCP checkpoint: :meth:`PipelineStrategy.load` reads the shards itself.
 _DCP = "dcp"
@@ -328,6 +339,11 @@ class PipelineStrategy(Strategy):
         self._runners: list[_PipelineRunner] = []
         self._layouts: dict[int, Any] = {}
         self._full_keys: set[str] = set()
+        #: The optimizer steps taken (a step holds its lock) and, under unsharded stages, the service through
+        #: which the main process reads the other stages' state alone (transformers' Trainer checkpoints).
+        self._clock = StepClock()
+        self._state_service: StageStateService | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
 
     def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
         """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows),
@@ -388,6 +404,9 @@ class PipelineStrategy(Strategy):
         runner = _PipelineRunner(model, stage_modules, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
+        self._optimizers = list(optimizers)
+        if not shards_stages(self.config) and self._state_service is None:
+            self._state_service = self._start_state_service()
         if hf_stage is not None:
             call = pipeline_hf.TransformersPipelineCall(model, hf_stage, runner, self._pp_group(), tied)
             return [PipelinedModel(model, runner, call)], optimizers
@@ -403,7 +422,8 @@ class PipelineStrategy(Strategy):
                 f"transformers plan ({type(model).__name__}) does not support yet: use pp_schedule='1F1B' or 'GPipe'.")
         check_schedule(schedule, processes, processes, self.config.pipeline_microbatches)
         points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
-        cut, hf_stage, tied = pipeline_hf.cut_transformers_stage(model, points, rank, processes)
+        cut, hf_stage, tied = pipeline_hf.cut_transformers_stage(model, points, rank, processes,
+                                                                 self.main_process_full_weights)
         return cut, {rank: hf_stage}, hf_stage, tied
 
     def _cut(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module]]:
@@ -444,6 +464,12 @@ class PipelineStrategy(Strategy):
         return model.module if isinstance(model, PipelinedModel) else model
 
     # ------------------------------------------------------------------------------------ the step
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
+        """The step, holding the lock a state server's snapshot takes (and counted): see
+        :mod:`hasten.strategies.pipeline_state_service`."""
+        step = super().optimizer_step
+        return self._clock.step(lambda: step(optimizer, closure))
+
     def backward(self, loss: torch.Tensor, *, sync: bool = True, accumulation_steps: int = 1, **kwargs: Any) -> None:
         """Nothing to do: the pipelined call already ran the backward. Refuses a loss from elsewhere.
 
@@ -525,6 +551,53 @@ class PipelineStrategy(Strategy):
         this stage: :func:`~hasten.strategies.pipeline_checkpoint.optimizer_state_for_stage`."""
         return optimizer_state_for_stage(state_dict, self._runners[-1].module, optimizer,
                                          self._layouts.get(id(optimizer)), sharded=shards_stages(self.config))
+
+    def _start_state_service(self) -> StageStateService | None:
+        """Every process makes the main process's pipeline's gloo group; its stages serve their state."""
+        from hasten.state import PartialState
+
+        ranks = main_pipeline_ranks(self.device_mesh)
+        bound = PartialState._shared_state.get("timeout") or DEFAULT_BOUND
+        group = dist.new_group(ranks, backend="gloo", timeout=process_group_timeout(bound))
+        if dist.get_rank() not in ranks:
+            return None
+        service = StageStateService(group, ranks[0], ranks, self._clock, self._stage_state, bound)
+        add_before_end_hook(service.close)
+        return service
+
+    def _stage_state(self, code: int, index: int) -> Any:
+        """What this stage's server answers: its weights, or optimizer ``index``'s state, by full-model names."""
+        stage = self._runners[-1].module
+        if code == MODEL:
+            return {key: value.detach().cpu() for key, value in stage.state_dict().items()}
+        if code == OPTIMIZER:
+            return named_optimizer_state(stage, self._optimizers[index])
+        raise CheckpointError(f"unknown state request {code}")
+
+    def _serving_main(self) -> StageStateService | None:
+        service = self._state_service
+        return service if service is not None and service.is_main else None
+
+    def main_process_full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full model's weights on the main process alone (unsharded stages), else ``None``."""
+        service = self._serving_main()
+        if service is None:
+            return None
+        merged = {key: value.detach().cpu() for key, value in self._runners[-1].module.state_dict().items()}
+        for part in service.fetch(MODEL):
+            merged.update(part)
+        return merged
+
+    def optimizer_state_to_save(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """On the main process of unsharded stages, the full model's optimizer state as one process's
+        ``optimizer.state_dict()`` has it (transformers' Trainer writes it from there alone); elsewhere
+        the stage's own."""
+        service, layout = self._serving_main(), self._layouts.get(id(optimizer))
+        index = next((i for i, prepared in enumerate(self._optimizers) if prepared is optimizer), None)
+        if service is None or not isinstance(layout, list) or index is None:
+            return optimizer.state_dict()
+        parts = [named_optimizer_state(self._runners[-1].module, optimizer), *service.fetch(OPTIMIZER, index)]
+        return merged_optimizer_state(parts, optimizer.state_dict()["param_groups"], layout)
 
     def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full model's state dict, gathered from every stage, on every process (all must call it)."""

@@ -66,16 +66,29 @@ def full_weights(stage: nn.Module, group: Any) -> dict[str, torch.Tensor]:
 def full_optimizer_state(stage: nn.Module, optimizer: torch.optim.Optimizer, layout: OptimizerLayout,
                          group: Any) -> dict[str, Any]:
     """The optimizer state one process would have saved for the full model (a collective over ``group``)."""
-    names = {id(param): name for name, param in stage.named_parameters()}
-    order = [names[id(p)] for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)]
-    local = optimizer.state_dict()
-    mine = {order[index]: _to_cpu(state) for index, state in local["state"].items()}
+    mine = named_optimizer_state(stage, optimizer)
     parts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)
+    return merged_optimizer_state(parts, optimizer.state_dict()["param_groups"], layout)
+
+
+def named_optimizer_state(stage: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """This stage's per-parameter optimizer state keyed by full-model parameter names (CPU copies)."""
+    names = {id(param): name for name, param in stage.named_parameters()}
+    order = [names[id(p)] for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)]
+    return {order[index]: _to_cpu(state) for index, state in optimizer.state_dict()["state"].items()}
+
+
+def merged_optimizer_state(parts: list[dict[str, dict[str, Any]]], param_groups: list[dict[str, Any]],
+                           layout: OptimizerLayout) -> dict[str, Any]:
+    """The stages' :func:`named_optimizer_state` as one process's ``optimizer.state_dict()`` of the full
+    model: indexed over ``layout`` (the optimizer as built before the cut), groups' hyper-parameters from
+    ``param_groups`` (any stage's: they are the same on every stage)."""
     index_of = {name: index for index, name in enumerate(chain.from_iterable(layout))}
-    state = {index_of[name]: value for part in parts for name, value in part.items()}
+    by_index = {index_of[name]: value for part in parts for name, value in part.items()}
+    state = {index: by_index[index] for index in sorted(by_index)}
     groups = [{**{k: v for k, v in hyper.items() if k != "params"}, "params": [index_of[n] for n in names_in_group]}
-              for hyper, names_in_group in zip(local["param_groups"], layout)]
+              for hyper, names_in_group in zip(param_groups, layout)]
     return {"state": state, "param_groups": groups}
 
 
@@ -265,5 +278,5 @@ def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = ["OptimizerLayout", "check_shapes", "check_sharded", "full_optimizer_state", "full_weights", "load_sharded",
-           "load_full_into_sharded", "named_stage_optimizer_state", "optimizer_layout",
-           "optimizer_state_for_stage", "save_sharded", "stage_optimizer_state"]
+           "load_full_into_sharded", "merged_optimizer_state", "named_optimizer_state", "named_stage_optimizer_state",
+           "optimizer_layout", "optimizer_state_for_stage", "save_sharded", "stage_optimizer_state"]

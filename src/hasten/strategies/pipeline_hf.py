@@ -34,6 +34,7 @@ a backward of the scaled loss would give. The factor must stay the same within a
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -420,9 +421,14 @@ class TransformersPipelineCall:
         self.scale = factor
 
 
-def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, stage_index: int,
-                           num_stages: int) -> tuple[nn.Module, TransformersStage, list[Any]]:
+def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, stage_index: int, num_stages: int,
+                           full_weights: Callable[[], dict[str, torch.Tensor] | None] | None = None,
+                           ) -> tuple[nn.Module, TransformersStage, list[Any]]:
     """Cut a transformers model (in place) into pipeline stage ``stage_index`` by its plan.
+
+    ``full_weights`` gives the whole model's weights to a ``save_pretrained`` without a ``state_dict``
+    (transformers' Trainer calls it so on the main process alone), or ``None`` where this process cannot
+    read the other stages' weights alone.
 
     Returns:
         The cut model (full-model names), the module the pipeline stage runs, and the weights tied across
@@ -442,16 +448,16 @@ def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, sta
     kept = [(name, stage_index if params and {id(p) for p in params} <= mine else stage) for name, stage in units
             for params in [list(model.get_submodule(name).parameters())]]
     skip_other_stages(model, kept, stage_index)
-    _guard_save_pretrained(model)
+    _guard_save_pretrained(model, full_weights or (lambda: None))
     return model, TransformersStage(model, stage_index, num_stages), tied
 
 
-def _guard_save_pretrained(model: nn.Module) -> None:
+def _guard_save_pretrained(model: nn.Module, full_weights: Callable[[], dict[str, torch.Tensor] | None]) -> None:
     """The cut model's ``save_pretrained`` without a ``state_dict`` would write one stage as the whole
-    model: refuse that; with the gathered one (``accelerator.get_state_dict``) it saves as usual.
-
-    The refusal cannot gather instead: the caller may be the main process alone (transformers' Trainer
-    saves so), and a gather the other stages do not join would hang.
+    model: on the main process of unsharded stages it saves ``full_weights()`` (the other stages' weights
+    read from their state servers: :mod:`hasten.strategies.pipeline_state_service`); elsewhere it refuses,
+    since the caller may be that process alone and a gather the other stages do not join would hang. With
+    a ``state_dict`` (``accelerator.get_state_dict``) it saves as usual.
     """
     save_pretrained = getattr(model, "save_pretrained", None)
     if save_pretrained is None:
@@ -459,14 +465,17 @@ def _guard_save_pretrained(model: nn.Module) -> None:
 
     def guarded(*args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
         if state_dict is None:
+            state_dict = full_weights()
+        if state_dict is None:
             raise ConfigurationError(
                 "Under pp_size > 1 this model object holds one pipeline stage; save_pretrained would write that stage "
                 "alone. Pass the full weights: model.save_pretrained(path, state_dict=accelerator.get_state_dict("
-                "model)) on every process (it gathers), or accelerator.save_model(model, path). Transformers' Trainer "
-                "checkpoints (save_strategy, trainer.save_model()) call save_pretrained on the main process alone, "
-                "where the other stages' weights cannot be gathered (its collective saves are FSDP's and DeepSpeed's "
-                "only): set save_strategy='no' and save the trained model with trainer.accelerator.save_model("
-                "trainer.model_wrapped, path) on every process.")
+                "model)) on every process (it gathers), or accelerator.save_model(model, path). Without state_dict, "
+                "save_pretrained reads the other stages' weights only on the main process and only when the stages "
+                "are not sharded (no dp_shard_size/tp_size): Transformers' Trainer checkpoints (save_strategy, "
+                "trainer.save_model()) with sharded stages are not available yet; there set save_strategy='no' and "
+                "save the trained model with trainer.accelerator.save_model(trainer.model_wrapped, path) on every "
+                "process.")
         return save_pretrained(*args, state_dict=state_dict, **kwargs)
 
     model.save_pretrained = guarded  # type: ignore[assignment]
