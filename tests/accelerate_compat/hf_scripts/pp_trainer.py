@@ -1,9 +1,9 @@
 """Transformers' Trainer or TRL's SFTTrainer on a tiny Llama (from a config, synthetic text, no hub), unchanged
 whatever the launch config's pipeline size. Rank 0 prints one ``RESULT {json}`` line with the logged losses (and
 Trainer's evaluation loss) and writes the final full weights (``accelerator.get_state_dict``) to ``weights.pt``;
-every process then calls ``accelerator.save_model`` into ``final/`` (the documented way to save under pp_size > 1).
-With ``--save_steps N`` Trainer checkpoints every N steps (refused under pp_size > 1, see docs/nd-parallelism.md);
-``--resume FOLDER`` resumes from such a checkpoint.
+every process then calls ``accelerator.save_model`` into ``final/``. With ``--save_steps N`` Trainer checkpoints every
+N steps (and at the end); ``--resume FOLDER`` resumes from such a checkpoint; ``--save_model FOLDER`` calls
+``trainer.save_model(FOLDER)`` on every process after training (Trainer writes from the main process alone).
 
 Run under ``hasten launch`` (a config with ``parallelism_config_pp_size``) or plain ``python --alias``.
 """
@@ -18,6 +18,7 @@ parser.add_argument("--accumulation", type=int, default=1)
 parser.add_argument("--tied", action="store_true")
 parser.add_argument("--save_steps", type=int, default=0)
 parser.add_argument("--resume", default=None, help="a Trainer checkpoint folder to resume from")
+parser.add_argument("--save_model", default=None, help="trainer.save_model(FOLDER) after training")
 options = parser.parse_args()
 if options.alias:
     import hasten
@@ -98,6 +99,8 @@ def main():
         trainer = Trainer(model=llama(), args=TrainingArguments(per_device_eval_batch_size=8, **common),
                           train_dataset=data, eval_dataset=data[:16], callbacks=[losses])
     trainer.train(resume_from_checkpoint=options.resume)
+    if options.save_model:
+        trainer.save_model(options.save_model)
     evaluated = trainer.evaluate() if options.trainer == "trainer" else {}
     accelerator = trainer.accelerator
     weights = accelerator.get_state_dict(trainer.model_wrapped)
