@@ -257,8 +257,9 @@ def test_pp2_by_ddp2_with_tied_embeddings_equals_ddp():
 
 
 
-def _pp_by_fsdp2_grads():
+def _pp_by_fsdp2_grads(folder: str):
     from hasten import Accelerator, ParallelismConfig
+    from hasten.exceptions import ConfigurationError
 
     config = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_microbatches=2)
     accelerator = Accelerator(parallelism_config=config, cpu=True)
@@ -266,20 +267,24 @@ def _pp_by_fsdp2_grads():
     shard = int(accelerator.torch_device_mesh.get_local_rank("dp_shard"))
     accelerator.backward(model(**_replica_half(_batches()[0], shard)).loss)
     unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:  # sharded stages: the main process cannot read the other stages alone
+        with pytest.raises(ConfigurationError, match="not sharded"):
+            unwrapped.save_pretrained(folder)
     return {name: p.grad.full_tensor().clone() for name, p in unwrapped.named_parameters() if p.grad is not None}
 
 
-def test_pp2_by_fsdp2_of_a_transformers_model_equals_data_parallel():
+def test_pp2_by_fsdp2_of_a_transformers_model_equals_data_parallel(tmp_path):
     """The stage of a model cut by its plan is sharded over dp_shard like any other stage: its gradients are
-    the average of the two halves' losses, as data parallelism gives."""
+    the average of the two halves' losses, as data parallelism gives. save_pretrained() without a state_dict
+    is refused there, on the main process too."""
     model = _llama(tied=False)
     (sum(model(**_replica_half(_batches()[0], half)).loss for half in range(2)) / 2).backward()
     want = dict(model.named_parameters())
-    results = run_on_ranks(_pp_by_fsdp2_grads, world_size=4)
+    results = run_on_ranks(_pp_by_fsdp2_grads, world_size=4, args=(str(tmp_path / "refused"),))
     for grads in results:
         for name, grad in grads.items():
             assert torch.allclose(grad, want[name].grad, rtol=0, atol=1e-6), name
-    assert set().union(*results) == set(want)
+    assert set().union(*results) == set(want) and not (tmp_path / "refused").exists()
 
 
 def _prepare_message(tied: bool, config_kwargs: dict) -> str:

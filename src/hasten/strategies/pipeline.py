@@ -40,8 +40,6 @@ from hasten.checkpointing.sinks import Sink
 from hasten.config.parallelism import PP_MULTI_STAGE, PP_SCHEDULES, ParallelismConfig
 from hasten.exceptions import CheckpointError, ConfigurationError
 from hasten.ops.tree import find_batch_size
-from hasten.runtime.process_group import add_before_end_hook
-from hasten.runtime.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.strategies import pipeline_hf
 from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_single_process_files
 from hasten.strategies.pipeline_checkpoint import (
@@ -51,8 +49,6 @@ from hasten.strategies.pipeline_checkpoint import (
     full_weights,
     load_full_into_sharded,
     load_sharded,
-    merged_optimizer_state,
-    named_optimizer_state,
     optimizer_layout,
     optimizer_state_for_stage,
     save_sharded,
@@ -69,11 +65,12 @@ from hasten.strategies.pipeline_schedules import (
 )
 from hasten.strategies.pipeline_split import cut_stage
 from hasten.strategies.pipeline_state_service import (
-    MODEL,
-    OPTIMIZER,
     StageStateService,
     StepClock,
-    main_pipeline_ranks,
+    full_weights_on_main,
+    optimizer_state_on_main,
+    stage_state,
+    start_state_service,
 )
 
 #: ``CheckedState.models`` of a DCP checkpoint: :meth:`PipelineStrategy.load` reads the shards itself.
@@ -406,7 +403,7 @@ class PipelineStrategy(Strategy):
         self._runners.append(runner)
         self._optimizers = list(optimizers)
         if not shards_stages(self.config) and self._state_service is None:
-            self._state_service = self._start_state_service()
+            self._state_service = start_state_service(self.device_mesh, self._clock, self._stage_state)
         if hf_stage is not None:
             call = pipeline_hf.TransformersPipelineCall(model, hf_stage, runner, self._pp_group(), tied)
             return [PipelinedModel(model, runner, call)], optimizers
@@ -552,52 +549,21 @@ class PipelineStrategy(Strategy):
         return optimizer_state_for_stage(state_dict, self._runners[-1].module, optimizer,
                                          self._layouts.get(id(optimizer)), sharded=shards_stages(self.config))
 
-    def _start_state_service(self) -> StageStateService | None:
-        """Every process makes the main process's pipeline's gloo group; its stages serve their state."""
-        from hasten.state import PartialState
-
-        ranks = main_pipeline_ranks(self.device_mesh)
-        bound = PartialState._shared_state.get("timeout") or DEFAULT_BOUND
-        group = dist.new_group(ranks, backend="gloo", timeout=process_group_timeout(bound))
-        if dist.get_rank() not in ranks:
-            return None
-        service = StageStateService(group, ranks[0], ranks, self._clock, self._stage_state, bound)
-        add_before_end_hook(service.close)
-        return service
-
     def _stage_state(self, code: int, index: int) -> Any:
-        """What this stage's server answers: its weights, or optimizer ``index``'s state, by full-model names."""
-        stage = self._runners[-1].module
-        if code == MODEL:
-            return {key: value.detach().cpu() for key, value in stage.state_dict().items()}
-        if code == OPTIMIZER:
-            return named_optimizer_state(stage, self._optimizers[index])
-        raise CheckpointError(f"unknown state request {code}")
-
-    def _serving_main(self) -> StageStateService | None:
-        service = self._state_service
-        return service if service is not None and service.is_main else None
+        """What this stage's state server answers (:mod:`~hasten.strategies.pipeline_state_service`)."""
+        return stage_state(self._runners[-1].module, self._optimizers, code, index)
 
     def main_process_full_weights(self) -> dict[str, torch.Tensor] | None:
         """The full model's weights on the main process alone (unsharded stages), else ``None``."""
-        service = self._serving_main()
-        if service is None:
-            return None
-        merged = {key: value.detach().cpu() for key, value in self._runners[-1].module.state_dict().items()}
-        for part in service.fetch(MODEL):
-            merged.update(part)
-        return merged
+        return full_weights_on_main(self._state_service, self._runners[-1].module)
 
     def optimizer_state_to_save(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """On the main process of unsharded stages, the full model's optimizer state as one process's
         ``optimizer.state_dict()`` has it (transformers' Trainer writes it from there alone); elsewhere
         the stage's own."""
-        service, layout = self._serving_main(), self._layouts.get(id(optimizer))
         index = next((i for i, prepared in enumerate(self._optimizers) if prepared is optimizer), None)
-        if service is None or not isinstance(layout, list) or index is None:
-            return optimizer.state_dict()
-        parts = [named_optimizer_state(self._runners[-1].module, optimizer), *service.fetch(OPTIMIZER, index)]
-        return merged_optimizer_state(parts, optimizer.state_dict()["param_groups"], layout)
+        return optimizer_state_on_main(self._state_service, self._runners[-1].module if self._runners else None,
+                                       optimizer, index, self._layouts.get(id(optimizer)))
 
     def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full model's state dict, gathered from every stage, on every process (all must call it)."""

@@ -32,8 +32,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hasten.exceptions import CheckpointError
+from hasten.runtime.process_group import add_before_end_hook
+from hasten.runtime.watchdog import DEFAULT_BOUND, process_group_timeout
+from hasten.strategies.pipeline_checkpoint import merged_optimizer_state, named_optimizer_state
 
 #: Request codes (the first of a request's three numbers: code, optimizer step, optimizer index).
 STOP, MODEL, OPTIMIZER = 0, 1, 2
@@ -153,11 +157,7 @@ class StageStateService:
                 code, step, index = (int(v) for v in request)
                 if code == STOP:
                     return
-                try:
-                    payload = self.clock.snapshot_at(step, lambda: _to_bytes(self.state(code, index)), self.bound)
-                    ok = 1
-                except Exception as error:  # noqa: BLE001 - told to the main process, which raises it
-                    payload, ok = _to_bytes(f"{type(error).__name__}: {error}"), 0
+                ok, payload = self._snapshot(code, step, index)
                 self._wait(dist.isend(torch.tensor([ok, payload.numel()], dtype=torch.int64), dst=self.main_rank,
                                       group=self.group))
                 self._wait(dist.isend(payload, dst=self.main_rank, group=self.group))
@@ -166,6 +166,13 @@ class StageStateService:
                 self._broken = str(error)
         finally:
             self._stopped = True
+
+    def _snapshot(self, code: int, step: int, index: int) -> tuple[int, torch.Tensor]:
+        """``(1, the state's bytes)`` after optimizer step ``step``, or ``(0, why not)``."""
+        try:
+            return 1, self.clock.snapshot_at(step, lambda: _to_bytes(self.state(code, index)), self.bound)
+        except Exception as error:  # noqa: BLE001 - told to the main process, which raises it
+            return 0, _to_bytes(f"{type(error).__name__}: {error}")
 
     # ----------------------------------------------------------------------------------------- shutdown
     def close(self) -> None:
@@ -191,6 +198,51 @@ class StageStateService:
                   "the main process starts now fails with the reason).", file=sys.stderr, flush=True)
 
 
+def start_state_service(mesh: Any, clock: StepClock, state: Callable[[int, int], Any]) -> StageStateService | None:
+    """At ``prepare``, on every process (it makes a group): the service of the main process's pipeline, or
+    ``None`` on the processes outside it. Its ``close`` runs before the process group ends."""
+    from hasten.state import PartialState
+
+    ranks = main_pipeline_ranks(mesh)
+    bound = PartialState._shared_state.get("timeout") or DEFAULT_BOUND
+    group = dist.new_group(ranks, backend="gloo", timeout=process_group_timeout(bound))
+    if dist.get_rank() not in ranks:
+        return None
+    service = StageStateService(group, ranks[0], ranks, clock, state, bound)
+    add_before_end_hook(service.close)
+    return service
+
+
+def stage_state(stage: nn.Module, optimizers: list[torch.optim.Optimizer], code: int, index: int) -> Any:
+    """What a stage's server answers: its weights, or optimizer ``index``'s state, by full-model names (CPU)."""
+    if code == MODEL:
+        return {key: value.detach().cpu() for key, value in stage.state_dict().items()}
+    if code == OPTIMIZER:
+        return named_optimizer_state(stage, optimizers[index])
+    raise CheckpointError(f"unknown state request {code}")
+
+
+def full_weights_on_main(service: StageStateService | None, stage: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The full model's weights (this stage's and every server's), on the main process; else ``None``."""
+    if service is None or not service.is_main:
+        return None
+    merged = {key: value.detach().cpu() for key, value in stage.state_dict().items()}
+    for part in service.fetch(MODEL):
+        merged.update(part)
+    return merged
+
+
+def optimizer_state_on_main(service: StageStateService | None, stage: nn.Module | None,
+                            optimizer: torch.optim.Optimizer, index: int | None, layout: Any) -> dict[str, Any]:
+    """On the main process, the full model's state of ``optimizer`` (prepared ``index``-th, named by
+    ``layout``) in one process's ``state_dict()`` format; elsewhere, or for an optimizer prepared apart
+    from the model, its own ``state_dict()``."""
+    if service is None or not service.is_main or stage is None or index is None or not isinstance(layout, list):
+        return optimizer.state_dict()
+    parts = [named_optimizer_state(stage, optimizer), *service.fetch(OPTIMIZER, index)]
+    return merged_optimizer_state(parts, optimizer.state_dict()["param_groups"], layout)
+
+
 def main_pipeline_ranks(mesh: Any, main_rank: int = 0) -> list[int]:
     """The global ranks of the ``pp`` group that holds ``main_rank``, in stage order."""
     ranks = mesh.mesh
@@ -199,4 +251,5 @@ def main_pipeline_ranks(mesh: Any, main_rank: int = 0) -> list[int]:
     return [int(rank) for rank in rows[(rows == main_rank).any(dim=1)][0]]
 
 
-__all__ = ["MODEL", "OPTIMIZER", "STOP", "StageStateService", "StepClock", "main_pipeline_ranks"]
+__all__ = ["MODEL", "OPTIMIZER", "STOP", "StageStateService", "StepClock", "full_weights_on_main", "main_pipeline_ranks",
+           "optimizer_state_on_main", "stage_state", "start_state_service"]
