@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.hf_stack import ROOT, accelerate_python, hasten_launch, hf_env, hf_python, run
+from helpers.hf_stack import ROOT, accelerate_python, hasten_launch, hf_python, run
 
 pytestmark = pytest.mark.launch
 
