@@ -594,3 +594,32 @@ def test_a_state_snapshot_waits_for_its_step_within_the_bound():
     stepper.start()
     assert clock.snapshot_at(1, lambda: clock.steps, timedelta(seconds=30)) == 1
     stepper.join()
+
+
+def _stage_one_fails():
+    """Rank 1 raises after one step; the main process then runs a step that needs it."""
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, pp_microbatches=2, pp_split_points=["2"])
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _model(own_loss=False)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05), loss_fn=F.mse_loss)
+    x, y = _data()[0]
+    accelerator.backward(model(x, labels=y))
+    optimizer.step()
+    if accelerator.process_index == 1:
+        raise RuntimeError("stage 1 failed on purpose")
+    accelerator.backward(model(x, labels=y))
+
+
+@pytest.mark.serial
+def test_a_failing_stage_does_not_wait_for_the_state_server_to_be_stopped():
+    """A non-main stage waits at its end for the main process to stop its state server, but not when it
+    ends because of an error: it leaves at once, and the main process's pending step fails, well within
+    the collective bound (120 s here) and the process group's timeout (60 s)."""
+    from hasten.testing import RankFailed
+
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="stage 1 failed on purpose"):
+        run_on_ranks(_stage_one_fails, world_size=2, env={"HASTEN_COLLECTIVE_TIMEOUT": "120"}, timeout=110)
+    assert time.monotonic() - start < 40

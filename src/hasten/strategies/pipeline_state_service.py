@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten.exceptions import CheckpointError
-from hasten.runtime.process_group import add_before_end_hook
+from hasten.runtime.process_group import add_before_end_hook, leaving_after_failure
 from hasten.runtime.watchdog import DEFAULT_BOUND, process_group_timeout
 from hasten.strategies.pipeline_checkpoint import merged_optimizer_state, named_optimizer_state
 
@@ -177,7 +177,8 @@ class StageStateService:
     # ----------------------------------------------------------------------------------------- shutdown
     def close(self) -> None:
         """Before the process group ends: the main process stops every server; a server's process waits for
-        its server to be stopped (bounded), so it never leaves while the main process may still ask."""
+        its server to be stopped (bounded), so it never leaves while the main process may still ask, unless
+        it ends because of an error."""
         if self.is_main:
             if self._stopped:
                 return
@@ -190,6 +191,9 @@ class StageStateService:
                     pass
             return
         assert self._thread is not None
+        if leaving_after_failure():  # the run is failing: do not delay the launcher's noticing it
+            self._stopped = True
+            return
         self._thread.join(self.bound.total_seconds())
         if self._thread.is_alive():
             self._stopped = True
