@@ -587,12 +587,16 @@ def test_a_state_snapshot_waits_for_its_step_within_the_bound():
     from hasten.exceptions import CheckpointError
     from hasten.strategies.pipeline_state_service import StepClock
 
-    clock = StepClock()
+    clock, parameter = StepClock(), nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    clock.watch(optimizer)
     with pytest.raises(CheckpointError, match="did not reach optimizer step 1 within 0.2 s"):
         clock.snapshot_at(1, lambda: None, timedelta(seconds=0.2))
-    stepper = threading.Thread(target=clock.step, args=(lambda: True,))
+    parameter.grad = torch.ones(2)
+    stepper = threading.Thread(target=optimizer.step)
     stepper.start()
-    assert clock.snapshot_at(1, lambda: clock.steps, timedelta(seconds=30)) == 1
+    # taken after the whole step, never inside it
+    assert clock.snapshot_at(1, lambda: (clock.steps, parameter.detach().clone()), timedelta(seconds=30))[1].eq(0).all()
     stepper.join()
 
 

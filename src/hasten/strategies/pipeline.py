@@ -45,6 +45,7 @@ from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_
 from hasten.strategies.pipeline_checkpoint import (
     check_shapes,
     check_sharded,
+    checked_layout,
     full_optimizer_state,
     full_weights,
     load_full_into_sharded,
@@ -64,14 +65,7 @@ from hasten.strategies.pipeline_schedules import (
     stage_ranks,
 )
 from hasten.strategies.pipeline_split import cut_stage
-from hasten.strategies.pipeline_state_service import (
-    StageStateService,
-    StepClock,
-    full_weights_on_main,
-    optimizer_state_on_main,
-    stage_state,
-    start_state_service,
-)
+from hasten.strategies.pipeline_state_service import PipelineStates
 
 #: ``CheckedState.models`` of a DCP checkpoint: :meth:`PipelineStrategy.load` reads the shards itself.
 _DCP = "dcp"
@@ -336,11 +330,7 @@ class PipelineStrategy(Strategy):
         self._runners: list[_PipelineRunner] = []
         self._layouts: dict[int, Any] = {}
         self._full_keys: set[str] = set()
-        #: The optimizer steps taken (a step holds its lock) and, under unsharded stages, the service through
-        #: which the main process reads the other stages' state alone (transformers' Trainer checkpoints).
-        self._clock = StepClock()
-        self._state_service: StageStateService | None = None
-        self._optimizers: list[torch.optim.Optimizer] = []
+        self._states = PipelineStates()  # the main process reads the other stages' state alone (Trainer's saves)
 
     def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
         """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows),
@@ -401,9 +391,8 @@ class PipelineStrategy(Strategy):
         runner = _PipelineRunner(model, stage_modules, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
-        self._optimizers = list(optimizers)
-        if not shards_stages(self.config) and self._state_service is None:
-            self._state_service = start_state_service(self.device_mesh, self._clock, self._stage_state)
+        if not shards_stages(self.config):  # sharded stages: a shard's full tensors need every process
+            self._states.start(self.device_mesh, model, optimizers, self._layouts)
         if hf_stage is not None:
             call = pipeline_hf.TransformersPipelineCall(model, hf_stage, runner, self._pp_group(), tied)
             return [PipelinedModel(model, runner, call)], optimizers
@@ -419,8 +408,7 @@ class PipelineStrategy(Strategy):
                 f"transformers plan ({type(model).__name__}) does not support yet: use pp_schedule='1F1B' or 'GPipe'.")
         check_schedule(schedule, processes, processes, self.config.pipeline_microbatches)
         points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
-        cut, hf_stage, tied = pipeline_hf.cut_transformers_stage(model, points, rank, processes,
-                                                                 self.main_process_full_weights)
+        cut, hf_stage, tied = pipeline_hf.cut_transformers_stage(model, points, rank, processes, self._states.full_weights)
         return cut, {rank: hf_stage}, hf_stage, tied
 
     def _cut(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module]]:
@@ -461,12 +449,6 @@ class PipelineStrategy(Strategy):
         return model.module if isinstance(model, PipelinedModel) else model
 
     # ------------------------------------------------------------------------------------ the step
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
-        """The step, holding the lock a state server's snapshot takes (and counted): see
-        :mod:`hasten.strategies.pipeline_state_service`."""
-        step = super().optimizer_step
-        return self._clock.step(lambda: step(optimizer, closure))
-
     def backward(self, loss: torch.Tensor, *, sync: bool = True, accumulation_steps: int = 1, **kwargs: Any) -> None:
         """Nothing to do: the pipelined call already ran the backward. Refuses a loss from elsewhere.
 
@@ -535,13 +517,7 @@ class PipelineStrategy(Strategy):
         return self.device_mesh["pp"].get_group()
 
     def _layout(self, optimizer: torch.optim.Optimizer) -> Any:
-        layout = self._layouts.get(id(optimizer))
-        if isinstance(layout, str):
-            raise CheckpointError(layout)
-        if layout is None:
-            raise CheckpointError("This optimizer was not prepared together with the model under pp_size > 1 "
-                                  "(prepare(model, optimizer) in one call), so its state cannot be named.")
-        return layout
+        return checked_layout(self._layouts.get(id(optimizer)))
 
     def optimizer_state_to_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A full-model optimizer state (one process's, as transformers' Trainer resumes it) re-indexed onto
@@ -549,21 +525,10 @@ class PipelineStrategy(Strategy):
         return optimizer_state_for_stage(state_dict, self._runners[-1].module, optimizer,
                                          self._layouts.get(id(optimizer)), sharded=shards_stages(self.config))
 
-    def _stage_state(self, code: int, index: int) -> Any:
-        """What this stage's state server answers (:mod:`~hasten.strategies.pipeline_state_service`)."""
-        return stage_state(self._runners[-1].module, self._optimizers, code, index)
-
-    def main_process_full_weights(self) -> dict[str, torch.Tensor] | None:
-        """The full model's weights on the main process alone (unsharded stages), else ``None``."""
-        return full_weights_on_main(self._state_service, self._runners[-1].module)
-
     def optimizer_state_to_save(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """On the main process of unsharded stages, the full model's optimizer state as one process's
-        ``optimizer.state_dict()`` has it (transformers' Trainer writes it from there alone); elsewhere
-        the stage's own."""
-        index = next((i for i, prepared in enumerate(self._optimizers) if prepared is optimizer), None)
-        return optimizer_state_on_main(self._state_service, self._runners[-1].module if self._runners else None,
-                                       optimizer, index, self._layouts.get(id(optimizer)))
+        """The full model's optimizer state on the main process (unsharded stages), as one process's
+        ``optimizer.state_dict()`` (transformers' Trainer saves it from there alone); elsewhere the stage's."""
+        return self._states.optimizer_state(optimizer)
 
     def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full model's state dict, gathered from every stage, on every process (all must call it)."""

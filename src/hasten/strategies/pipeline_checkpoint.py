@@ -52,6 +52,21 @@ def optimizer_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Opti
     return layout
 
 
+def checked_layout(layout: OptimizerLayout | str | None) -> OptimizerLayout:
+    """An optimizer's layout as ``prepare`` recorded it.
+
+    Raises:
+        CheckpointError: why its state cannot be named (``layout`` is that reason, or ``None``: the optimizer
+            was not prepared with the model).
+    """
+    if isinstance(layout, str):
+        raise CheckpointError(layout)
+    if layout is None:
+        raise CheckpointError("This optimizer was not prepared together with the model under pp_size > 1 "
+                              "(prepare(model, optimizer) in one call), so its state cannot be named.")
+    return layout
+
+
 def full_weights(stage: nn.Module, group: Any) -> dict[str, torch.Tensor]:
     """Every stage's weights, merged, on every process of ``group`` (a collective)."""
     mine = {key: full_value(value.detach()).cpu() for key, value in stage.state_dict().items()}  # sharded: gathered
@@ -277,6 +292,6 @@ def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
-__all__ = ["OptimizerLayout", "check_shapes", "check_sharded", "full_optimizer_state", "full_weights", "load_sharded",
+__all__ = ["OptimizerLayout", "check_shapes", "check_sharded", "checked_layout", "full_optimizer_state", "full_weights", "load_sharded",
            "load_full_into_sharded", "merged_optimizer_state", "named_optimizer_state", "named_stage_optimizer_state",
            "optimizer_layout", "optimizer_state_for_stage", "save_sharded", "stage_optimizer_state"]

@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hasten.config.env import collective_timeout
 from hasten.exceptions import CheckpointError
 from hasten.runtime.process_group import add_before_end_hook, leaving_after_failure
-from hasten.runtime.watchdog import DEFAULT_BOUND, process_group_timeout
+from hasten.runtime.watchdog import DEFAULT_BOUND, process_group_timeout, running_bound
 from hasten.strategies.pipeline_checkpoint import merged_optimizer_state, named_optimizer_state
 
 #: Request codes (the first of a request's three numbers: code, optimizer step, optimizer index).
@@ -47,19 +48,28 @@ _IDLE = timedelta(days=30)
 
 
 class StepClock:
-    """Counts this process's optimizer steps; a step holds the lock, so a snapshot never sees half of one."""
+    """Counts this process's optimizer steps; a step holds the lock, so a snapshot never sees half of one.
+
+    The optimizers' own step hooks take the lock and count (the prepared optimizer's step is unchanged).
+    A step that raises keeps the lock: a later snapshot then fails at its bound, naming the step.
+    """
 
     def __init__(self) -> None:
         self.condition = threading.Condition()
         self.steps = 0
 
-    def step(self, apply: Callable[[], bool]) -> bool:
-        """Run one optimizer step (``apply``) under the lock, then count it."""
-        with self.condition:
-            stepped = apply()
-            self.steps += 1
-            self.condition.notify_all()
-        return stepped
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hold the lock during each of ``optimizer``'s steps and count them."""
+        optimizer.register_step_pre_hook(self._stepping)
+        optimizer.register_step_post_hook(self._stepped)
+
+    def _stepping(self, *_: Any) -> None:
+        self.condition.acquire()
+
+    def _stepped(self, *_: Any) -> None:
+        self.steps += 1
+        self.condition.notify_all()
+        self.condition.release()
 
     def snapshot_at(self, step: int, read: Callable[[], Any], timeout: timedelta) -> Any:
         """``read()`` once this process has completed exactly ``step`` optimizer steps, under the lock.
@@ -80,7 +90,7 @@ class StepClock:
 def _to_bytes(value: Any) -> torch.Tensor:
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    return torch.frombuffer(buffer.getbuffer(), dtype=torch.uint8)  # the buffer's own bytes (no copy)
 
 
 def _from_bytes(data: torch.Tensor) -> Any:
@@ -128,7 +138,7 @@ class StageStateService:
                 self._wait(dist.isend(request, dst=rank, group=self.group))
             answers = [self._answer(rank) for rank in self.servers]
         except RuntimeError as error:  # a peer gone or silent: the exchange cannot be resumed
-            self._broken = f"the stage at rank {self.servers} did not answer ({error})"
+            self._broken = f"a stage of ranks {self.servers} did not answer ({error})"
             raise CheckpointError(f"Reading the pipeline stages' state for the main process's save failed: "
                                   f"{error}") from error
         failed = [(rank, message) for rank, (ok, message) in zip(self.servers, answers) if not ok]
@@ -203,12 +213,10 @@ class StageStateService:
 
 
 def start_state_service(mesh: Any, clock: StepClock, state: Callable[[int, int], Any]) -> StageStateService | None:
-    """At ``prepare``, on every process (it makes a group): the service of the main process's pipeline, or
-    ``None`` on the processes outside it. Its ``close`` runs before the process group ends."""
-    from hasten.state import PartialState
-
+    """On every process (it makes a group): the service of the main process's pipeline, or ``None`` on the
+    processes outside it. Its ``close`` runs before the process group ends."""
     ranks = main_pipeline_ranks(mesh)
-    bound = PartialState._shared_state.get("timeout") or DEFAULT_BOUND
+    bound = running_bound() or collective_timeout() or DEFAULT_BOUND
     group = dist.new_group(ranks, backend="gloo", timeout=process_group_timeout(bound))
     if dist.get_rank() not in ranks:
         return None
@@ -217,34 +225,62 @@ def start_state_service(mesh: Any, clock: StepClock, state: Callable[[int, int],
     return service
 
 
-def stage_state(stage: nn.Module, optimizers: list[torch.optim.Optimizer], code: int, index: int) -> Any:
-    """What a stage's server answers: its weights, or optimizer ``index``'s state, by full-model names (CPU)."""
-    if code == MODEL:
-        return {key: value.detach().cpu() for key, value in stage.state_dict().items()}
-    if code == OPTIMIZER:
-        return named_optimizer_state(stage, optimizers[index])
-    raise CheckpointError(f"unknown state request {code}")
+class PipelineStates:
+    """The pipeline strategy's side: started at ``prepare`` (unsharded stages), read by the main process's
+    saves (:meth:`full_weights`, :meth:`optimizer_state`), answering as a server elsewhere."""
 
+    def __init__(self) -> None:
+        self.clock = StepClock()
+        self.service: StageStateService | None = None
+        self.started = False
+        self.stage: nn.Module | None = None
+        #: The prepared optimizers, in prepare order (a request names one by its position), and their layouts.
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.layouts: dict[int, Any] = {}
 
-def full_weights_on_main(service: StageStateService | None, stage: nn.Module) -> dict[str, torch.Tensor] | None:
-    """The full model's weights (this stage's and every server's), on the main process; else ``None``."""
-    if service is None or not service.is_main:
-        return None
-    merged = {key: value.detach().cpu() for key, value in stage.state_dict().items()}
-    for part in service.fetch(MODEL):
-        merged.update(part)
-    return merged
+    def start(self, mesh: Any, stage: nn.Module, optimizers: list[torch.optim.Optimizer],
+              layouts: dict[int, Any]) -> None:
+        """At ``prepare``, on every process (the first call makes the service's group)."""
+        self.stage, self.layouts = stage, layouts
+        for optimizer in optimizers:
+            if not any(optimizer is known for known in self.optimizers):
+                self.clock.watch(optimizer)
+                self.optimizers.append(optimizer)
+        if not self.started:
+            self.started = True
+            self.service = start_state_service(mesh, self.clock, self._answer)
 
+    def _answer(self, code: int, index: int) -> Any:
+        """What this stage's server answers: its weights, or optimizer ``index``'s state, by full-model names."""
+        assert self.stage is not None
+        if code == MODEL:
+            return {key: value.detach().cpu() for key, value in self.stage.state_dict().items()}
+        if code == OPTIMIZER:
+            return named_optimizer_state(self.stage, self.optimizers[index])
+        raise CheckpointError(f"unknown state request {code}")
 
-def optimizer_state_on_main(service: StageStateService | None, stage: nn.Module | None,
-                            optimizer: torch.optim.Optimizer, index: int | None, layout: Any) -> dict[str, Any]:
-    """On the main process, the full model's state of ``optimizer`` (prepared ``index``-th, named by
-    ``layout``) in one process's ``state_dict()`` format; elsewhere, or for an optimizer prepared apart
-    from the model, its own ``state_dict()``."""
-    if service is None or not service.is_main or stage is None or index is None or not isinstance(layout, list):
-        return optimizer.state_dict()
-    parts = [named_optimizer_state(stage, optimizer), *service.fetch(OPTIMIZER, index)]
-    return merged_optimizer_state(parts, optimizer.state_dict()["param_groups"], layout)
+    def _main(self) -> StageStateService | None:
+        return self.service if self.service is not None and self.service.is_main else None
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full model's weights (this stage's and every server's) on the main process; else ``None``."""
+        service = self._main()
+        if service is None or self.stage is None:
+            return None
+        merged = {key: value.detach().cpu() for key, value in self.stage.state_dict().items()}
+        for part in service.fetch(MODEL):
+            merged.update(part)
+        return merged
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """On the main process, the full model's state of ``optimizer`` in one process's ``state_dict()``
+        format; elsewhere, or for an optimizer prepared apart from the model, its own ``state_dict()``."""
+        service, layout = self._main(), self.layouts.get(id(optimizer))
+        index = next((i for i, known in enumerate(self.optimizers) if known is optimizer), None)
+        if service is None or self.stage is None or index is None or not isinstance(layout, list):
+            return optimizer.state_dict()
+        parts = [named_optimizer_state(self.stage, optimizer), *service.fetch(OPTIMIZER, index)]
+        return merged_optimizer_state(parts, optimizer.state_dict()["param_groups"], layout)
 
 
 def main_pipeline_ranks(mesh: Any, main_rank: int = 0) -> list[int]:
@@ -255,5 +291,5 @@ def main_pipeline_ranks(mesh: Any, main_rank: int = 0) -> list[int]:
     return [int(rank) for rank in rows[(rows == main_rank).any(dim=1)][0]]
 
 
-__all__ = ["MODEL", "OPTIMIZER", "STOP", "StageStateService", "StepClock", "full_weights_on_main", "main_pipeline_ranks",
-           "optimizer_state_on_main", "stage_state", "start_state_service"]
+__all__ = ["MODEL", "OPTIMIZER", "STOP", "PipelineStates", "StageStateService", "StepClock", "main_pipeline_ranks",
+           "start_state_service"]
