@@ -287,8 +287,9 @@ def test_pp2_by_ddp2_with_tied_embeddings_equals_ddp():
 
 
 
-def _pp_by_fsdp2_grads(schedule: str = "1F1B"):
+def _pp_by_fsdp2_grads(folder: str, schedule: str = "1F1B"):
     from hasten import Accelerator, ParallelismConfig
+    from hasten.exceptions import ConfigurationError
 
     config = ParallelismConfig(pp_size=2, dp_shard_size=2, pp_microbatches=2, pp_schedule=schedule)
     accelerator = Accelerator(parallelism_config=config, cpu=True)
@@ -296,22 +297,25 @@ def _pp_by_fsdp2_grads(schedule: str = "1F1B"):
     shard = int(accelerator.torch_device_mesh.get_local_rank("dp_shard"))
     accelerator.backward(model(**_replica_half(_batches()[0], shard)).loss)
     unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:  # sharded stages: the main process cannot read the other stages alone
+        with pytest.raises(ConfigurationError, match="not sharded"):
+            unwrapped.save_pretrained(folder)
     return {name: p.grad.full_tensor().clone() for name, p in unwrapped.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
-def test_pp2_by_fsdp2_of_a_transformers_model_equals_data_parallel(schedule):
+def test_pp2_by_fsdp2_of_a_transformers_model_equals_data_parallel(tmp_path, schedule):
     """The stage of a model cut by its plan (two of four per process under Interleaved1F1B) is sharded over
     dp_shard like any other stage: its gradients are the average of the two halves' losses, as data
-    parallelism gives."""
+    parallelism gives. save_pretrained() without a state_dict is refused there, on the main process too."""
     model = _llama(tied=False)
     (sum(model(**_replica_half(_batches()[0], half)).loss for half in range(2)) / 2).backward()
     want = dict(model.named_parameters())
-    results = run_on_ranks(_pp_by_fsdp2_grads, world_size=4, args=(schedule,))
+    results = run_on_ranks(_pp_by_fsdp2_grads, world_size=4, args=(str(tmp_path / "refused"), schedule))
     for grads in results:
         for name, grad in grads.items():
             assert torch.allclose(grad, want[name].grad, rtol=0, atol=1e-6), name
-    assert set().union(*results) == set(want)
+    assert set().union(*results) == set(want) and not (tmp_path / "refused").exists()
 
 
 def _prepare_message(tied: bool, config_kwargs: dict) -> str:
@@ -344,3 +348,60 @@ def test_several_stages_per_process_refuse_uneven_stages_and_a_forward_replaced_
     model.forward = lambda **kwargs: None  # as a trainer patching its model might
     with pytest.raises(ConfigurationError, match="forward was replaced on the model object"):
         cut_transformers_stages(model, None, [0, 2], 4)
+
+
+def _main_process_saves_alone(folder: str, replicas: int):
+    """Train; after each step the main process alone writes ``save_pretrained`` without a state_dict and
+    returns ``optimizer.state_dict()`` (as transformers' Trainer saves) while the other stages go on."""
+    import copy
+
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, dp_replicate_size=replicas, pp_microbatches=2)
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _llama(tied=True)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    replica = int(accelerator.torch_device_mesh.get_local_rank("dp_replicate")) if replicas > 1 else 0
+    states = []
+    for step, batch in enumerate(_batches()):
+        accelerator.backward(model(**(_replica_half(batch, replica) if replicas > 1 else batch)).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(f"{folder}/step{step}")
+            states.append(copy.deepcopy(optimizer.state_dict()))  # its tensors are the optimizer's own, as torch's
+    return states
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_main_process_alone_saves_the_full_model_and_optimizer_as_one_process(tmp_path, replicas):
+    """Under pp_size=2 (and PP x DDP) the main process alone writes the whole model with save_pretrained() and
+    gets the whole model's optimizer.state_dict() in one process's format, each step's exactly (the other
+    stages have already gone on to the next step): what transformers' Trainer checkpoints need."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    model = _llama(tied=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    want_states = []
+    for step, batch in enumerate(_batches()):
+        halves = [_replica_half(batch, r) for r in range(2)] if replicas > 1 else [batch]
+        (sum(model(**half).loss for half in halves) / len(halves)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.save_pretrained(tmp_path / "one" / f"step{step}")
+        want_states.append(copy.deepcopy(optimizer.state_dict()))
+    results = run_on_ranks(_main_process_saves_alone, world_size=2 * replicas, args=(str(tmp_path / "pp"), replicas))
+    assert [len(states) for states in results] == [STEPS] + [0] * (2 * replicas - 1)
+    for step, (got, want) in enumerate(zip(results[0], want_states)):
+        saved, expected = (load_file(tmp_path / run / f"step{step}" / "model.safetensors") for run in ("pp", "one"))
+        assert sorted(saved) == sorted(expected)
+        for name, weight in expected.items():
+            assert torch.allclose(saved[name], weight, rtol=0, atol=1e-6), (step, name)
+        assert got["param_groups"] == want["param_groups"]
+        assert sorted(got["state"]) == sorted(want["state"])
+        for index, state in want["state"].items():
+            assert sorted(got["state"][index]) == sorted(state)
+            for key, value in state.items():
+                assert torch.allclose(got["state"][index][key], value, rtol=0, atol=1e-6), (step, index, key)

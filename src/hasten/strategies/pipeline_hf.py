@@ -40,6 +40,7 @@ a backward of the scaled loss would give. The factor must stay the same within a
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten.exceptions import ConfigurationError
+from hasten.strategies.pipeline_hf_saving import guard_save_pretrained, save_adapters_of_every_stage, to_meta
 from hasten.strategies.pipeline_schedules import stage_views
 from hasten.strategies.pipeline_split import skip_other_stages
 
@@ -509,21 +511,27 @@ class TransformersPipelineCall:
         self.scale = factor
 
 
-def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, stage_index: int,
-                           num_stages: int) -> tuple[nn.Module, TransformersStage, list[Any]]:
+def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, stage_index: int, num_stages: int,
+                           full_weights: Callable[[], dict[str, torch.Tensor] | None] | None = None,
+                           ) -> tuple[nn.Module, TransformersStage, list[Any]]:
     """Cut a transformers model (in place) into pipeline stage ``stage_index`` by its plan.
+
+    ``full_weights`` gives the whole model's weights to a ``save_pretrained`` without a ``state_dict``
+    (transformers' Trainer calls it so on the main process alone), or ``None`` where this process cannot
+    read the other stages' weights alone.
 
     Returns:
         The cut model (full-model names), the module the pipeline stage runs, and the weights tied across
         stages as ``(parameter or None where another stage holds it, shape, dtype)`` in the same order on
         every stage.
     """
-    model, stages, tied = cut_transformers_stages(model, split_points, [stage_index], num_stages)
+    model, stages, tied = cut_transformers_stages(model, split_points, [stage_index], num_stages, full_weights)
     return model, stages[stage_index], tied
 
 
-def cut_transformers_stages(model: nn.Module, split_points: list[str] | None, kept: list[int],
-                            num_stages: int) -> tuple[nn.Module, dict[int, TransformersStage], list[Any]]:
+def cut_transformers_stages(model: nn.Module, split_points: list[str] | None, kept: list[int], num_stages: int,
+                            full_weights: Callable[[], dict[str, torch.Tensor] | None] | None = None,
+                            ) -> tuple[nn.Module, dict[int, TransformersStage], list[Any]]:
     """Cut a transformers model (in place) into the pipeline stages ``kept`` (one process's) by its plan.
 
     With several stages, each runs a view of the cut model that holds only that stage's units (sharing
@@ -575,78 +583,12 @@ def cut_transformers_stages(model: nn.Module, split_points: list[str] | None, ke
         views = stage_views(model, relabelled, kept)
         stage_modules = {index: TransformersStage(view, index, num_stages) for index, view in views.items()}
     if inner is not model:
-        _save_adapters_of_every_stage(model, {name: _to_meta(unit) for name, unit in skeletons.items()})
-        _guard_save_pretrained(inner)  # the transformers model (merge_and_unload returns it) holds one stage too
-    _guard_save_pretrained(model)
+        save_adapters_of_every_stage(model, {name: to_meta(unit) for name, unit in skeletons.items()})
+        # The transformers model (merge_and_unload returns it) holds one stage too; the stages' weights are
+        # the wrapper's (its names), so without a state_dict it refuses.
+        guard_save_pretrained(inner, lambda: None)
+    guard_save_pretrained(model, full_weights or (lambda: None))
     return model, stage_modules, tied
-
-
-def _to_meta(unit: nn.Module) -> nn.Module:
-    """``unit`` (just cut away from this stage) with its weights replaced by shapeless meta tensors, in place.
-
-    The Parameter objects are replaced in ``unit``'s own tables, not changed: one this stage shares (a tied
-    weight) stays whole where the stage holds it, and the others are freed with the optimizer's reference.
-    """
-    for module in unit.modules():
-        for key, param in module._parameters.items():
-            if param is not None:
-                module._parameters[key] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-        for key, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[key] = torch.empty_like(buffer, device="meta")
-    return unit
-
-
-def _save_adapters_of_every_stage(model: nn.Module, skeletons: dict[str, nn.Module]) -> None:
-    """A PEFT wrapper's ``save_pretrained(path, state_dict=full)`` writes every stage's adapter weights.
-
-    PEFT picks the adapter's entries of ``state_dict`` by visiting the adapter layers of the model it is
-    called on, which on a cut stage are that stage's only; for the call the other stages' units come back
-    as meta-tensor skeletons (their names, no weights), and the values are the given state dict's.
-    """
-    save_pretrained: Any = model.save_pretrained
-
-    def save_with_every_stage(*args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
-        if state_dict is None:
-            return save_pretrained(*args, **kwargs)
-        skipped = {name: model.get_submodule(name) for name in skeletons}
-        try:
-            for name, unit in skeletons.items():
-                parent, _, child = name.rpartition(".")
-                model.get_submodule(parent).register_module(child, unit)
-            return save_pretrained(*args, state_dict=state_dict, **kwargs)
-        finally:
-            for name, unit in skipped.items():
-                parent, _, child = name.rpartition(".")
-                model.get_submodule(parent).register_module(child, unit)
-
-    model.save_pretrained = save_with_every_stage  # type: ignore[assignment]
-
-
-def _guard_save_pretrained(model: nn.Module) -> None:
-    """The cut model's ``save_pretrained`` without a ``state_dict`` would write one stage as the whole
-    model: refuse that; with the gathered one (``accelerator.get_state_dict``) it saves as usual.
-
-    The refusal cannot gather instead: the caller may be the main process alone (transformers' Trainer
-    saves so), and a gather the other stages do not join would hang.
-    """
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if save_pretrained is None:
-        return
-
-    def guarded(*args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
-        if state_dict is None:
-            raise ConfigurationError(
-                "Under pp_size > 1 this model object holds one pipeline stage; save_pretrained would write that stage "
-                "alone. Pass the full weights: model.save_pretrained(path, state_dict=accelerator.get_state_dict("
-                "model)) on every process (it gathers), or accelerator.save_model(model, path). Transformers' Trainer "
-                "checkpoints (save_strategy, trainer.save_model()) call save_pretrained on the main process alone, "
-                "where the other stages' weights cannot be gathered (its collective saves are FSDP's and DeepSpeed's "
-                "only): set save_strategy='no' and save the trained model with trainer.accelerator.save_model("
-                "trainer.model_wrapped, path) on every process.")
-        return save_pretrained(*args, state_dict=state_dict, **kwargs)
-
-    model.save_pretrained = guarded  # type: ignore[assignment]
 
 
 __all__ = ["PP_TIED_MIRROR", "TransformersPipelineCall", "TransformersStage", "cut_transformers_stage",

@@ -214,5 +214,47 @@ def forward_only_schedule(schedule: str, stages: list[Any], owners: Mapping[int,
     return runtime
 
 
-__all__ = ["StageCall", "check_schedule", "cut_stages", "forward_only_schedule", "local_stages", "stage_ranks",
-           "stage_views"]
+def call_shapes(data: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors in ``data`` (a dict's in key order), to tell schedules apart."""
+    if isinstance(data, torch.Tensor):
+        return ((tuple(data.shape), data.dtype),)
+    if isinstance(data, dict):
+        return tuple(item for key in data for item in ((key,), *call_shapes(data[key])))
+    if isinstance(data, (list, tuple)):
+        return tuple(item for value in data for item in call_shapes(value))
+    return ()
+
+
+def takes_num_items(loss_fn: Callable[..., Any]) -> bool:
+    """``loss_fn`` accepts ``num_items_in_batch=`` (by name or through ``**kwargs``)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return True
+    return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def own_loss(output: Any) -> torch.Tensor:
+    """The model's own loss from its output: the tensor itself, ``output.loss`` or ``output["loss"]``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ConfigurationError(f"The model returned {type(output).__name__} without a loss: pass prepare(..., "
+                                 "loss_fn=fn) with fn(output, labels) -> loss, or return a loss when given labels.")
+    return loss  # type: ignore[no-any-return]
+
+
+def check_divisible(batch_size: int, microbatches: int) -> None:
+    """Refuse a batch that does not split into ``microbatches`` equal micro-batches."""
+    if batch_size % microbatches:
+        raise ConfigurationError(
+            f"A batch of {batch_size} rows does not split into pp_microbatches={microbatches} equal micro-batches: use "
+            f"a batch size divisible by {microbatches} (drop_last=True keeps the last batch full), or change "
+            "pp_microbatches. Unequal micro-batches would weight their rows unequally in the mean loss.")
+
+
+__all__ = ["StageCall", "call_shapes", "check_divisible", "check_schedule", "cut_stages", "forward_only_schedule",
+           "local_stages", "own_loss", "stage_ranks", "stage_views", "takes_num_items"]
