@@ -102,7 +102,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(self._strategy.optimizer_state_to_load(self.optimizer, state_dict))
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.state_dict()
+        # The strategy may widen it (under pp_size > 1, on the main process: the full model's state, as one
+        # process has it, which transformers' Trainer writes from the main process alone).
+        return self._strategy.optimizer_state_to_save(self.optimizer)
 
     # torch's hook registration: the wrapped optimizer runs them (its ``step``, ``state_dict`` and
     # ``load_state_dict`` are what this wrapper calls), so they are registered there. Memory trackers and

@@ -328,3 +328,50 @@ def test_a_data_loader_is_prepared_when_pp_microbatches_is_left_to_follow_pp_siz
     want = _mean_loss(_model()(x), y).item()
     assert run_on_ranks(_default_microbatches, world_size=2, timeout=200, pg_timeout=30) == pytest.approx([want] * 2,
                                                                                                         rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def _evaluated_under_every_schedule():
+    """Per schedule: a training micro-step (its gradients kept), then evaluation without and with labels; the
+    outputs, the loss, the gradients after evaluation, and the rows each linear layer of this process saw."""
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.state import reset_state
+
+    results = []
+    for schedule in SCHEDULES:
+        reset_state()
+        stages = 2 * (2 if schedule in MULTI else 1)
+        config = ParallelismConfig(pp_size=2, pp_schedule=schedule, pp_microbatches=4,
+                                   pp_split_points=_split_points(stages))
+        accelerator = Accelerator(parallelism_config=config, cpu=True)
+        model = accelerator.prepare(_model(), loss_fn=_mean_loss)
+        x, y = _batches("mean", 1)[0]
+        accelerator.backward(model(x, labels=y))
+        rows: set[int] = set()
+        for module in accelerator.unwrap_model(model).modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(lambda _, args, seen=rows: seen.add(args[0].shape[0]))
+        model.eval()
+        with torch.no_grad():
+            outputs, loss = model(x), model(x, labels=y)
+        grads = {name: p.grad.clone() for name, p in accelerator.unwrap_model(model).named_parameters()}
+        results.append((outputs, loss.item(), grads, rows))
+    return results
+
+
+def test_evaluation_runs_the_micro_batches_through_the_schedules_stages_and_equals_one_process():
+    """Forward only over 4 micro-batches of 2 rows (pipelined, also under the V placements), the output and
+    loss on every process as one process computes them, and the gradients held from training untouched."""
+    model = _model()
+    x, y = _batches("mean", 1)[0]
+    _mean_loss(model(x), y).backward()
+    with torch.no_grad():
+        want_outputs = model(x)
+    per_rank = run_on_ranks(_evaluated_under_every_schedule, world_size=2, timeout=300, pg_timeout=30)
+    for index, schedule in enumerate(SCHEDULES):
+        for outputs, loss, grads, rows in (rank[index] for rank in per_rank):
+            assert rows == {BATCH // 4}, schedule
+            assert torch.allclose(outputs, want_outputs, rtol=0, atol=1e-6), schedule
+            assert loss == pytest.approx(_mean_loss(want_outputs, y).item(), rel=1e-6), schedule
+            for name, grad in grads.items():
+                assert torch.allclose(grad, model.get_parameter(name).grad, rtol=0, atol=1e-6), (schedule, name)

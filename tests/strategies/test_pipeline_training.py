@@ -544,3 +544,86 @@ def test_a_plain_optimizer_state_of_the_full_model_loads_onto_each_stage(tmp_pat
         assert sorted(weights) == sorted(model.state_dict())
         for name, weight in model.state_dict().items():
             assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name
+
+
+def _stages_a_step_apart():
+    """Rank 1 steps its optimizer once more on its own; the main process then asks for the state after its step."""
+    from hasten import Accelerator, ParallelismConfig
+    from hasten.exceptions import CheckpointError
+
+    config = ParallelismConfig(pp_size=2, pp_microbatches=2, pp_split_points=["2"])
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _model(own_loss=False)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05), loss_fn=F.mse_loss)
+    x, y = _data()[0]
+    accelerator.backward(model(x, labels=y))
+    optimizer.step()
+    if accelerator.process_index == 1:
+        optimizer.step()
+    torch.distributed.barrier()
+    outcome: list = []
+    if accelerator.is_main_process:
+        try:
+            optimizer.state_dict()
+        except CheckpointError as error:
+            outcome.append(str(error))
+        optimizer.step()  # the stages agree again: the service still answers
+        outcome.append(sorted(optimizer.state_dict()["state"]))
+    return outcome
+
+
+def test_the_main_process_reading_a_stage_at_another_step_gets_a_clear_error_and_the_service_goes_on():
+    outcome = run_on_ranks(_stages_a_step_apart, world_size=2)
+    assert outcome[1] == []
+    message, indices = outcome[0]
+    assert "rank 1" in message and "at optimizer step 2, past the main process's 1" in message, message
+    assert indices == [0, 1, 2, 3, 4, 5]  # every parameter of the full model (both stages')
+
+
+def test_a_state_snapshot_waits_for_its_step_within_the_bound():
+    import threading
+    from datetime import timedelta
+
+    from hasten.exceptions import CheckpointError
+    from hasten.strategies.pipeline_state_service import StepClock
+
+    clock, parameter = StepClock(), nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=1.0)
+    clock.watch(optimizer)
+    with pytest.raises(CheckpointError, match="did not reach optimizer step 1 within 0.2 s"):
+        clock.snapshot_at(1, lambda: None, timedelta(seconds=0.2))
+    parameter.grad = torch.ones(2)
+    stepper = threading.Thread(target=optimizer.step)
+    stepper.start()
+    # taken after the whole step, never inside it
+    assert clock.snapshot_at(1, lambda: (clock.steps, parameter.detach().clone()), timedelta(seconds=30))[1].eq(0).all()
+    stepper.join()
+
+
+def _stage_one_fails():
+    """Rank 1 raises after one step; the main process then runs a step that needs it."""
+    from hasten import Accelerator, ParallelismConfig
+
+    config = ParallelismConfig(pp_size=2, pp_microbatches=2, pp_split_points=["2"])
+    accelerator = Accelerator(parallelism_config=config, cpu=True)
+    model = _model(own_loss=False)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05), loss_fn=F.mse_loss)
+    x, y = _data()[0]
+    accelerator.backward(model(x, labels=y))
+    optimizer.step()
+    if accelerator.process_index == 1:
+        raise RuntimeError("stage 1 failed on purpose")
+    accelerator.backward(model(x, labels=y))
+
+
+@pytest.mark.serial
+def test_a_failing_stage_does_not_wait_for_the_state_server_to_be_stopped():
+    """A non-main stage waits at its end for the main process to stop its state server, but not when it
+    ends because of an error: it leaves at once, and the main process's pending step fails, well within
+    the collective bound (120 s here) and the process group's timeout (60 s)."""
+    from hasten.testing import RankFailed
+
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="stage 1 failed on purpose"):
+        run_on_ranks(_stage_one_fails, world_size=2, env={"HASTEN_COLLECTIVE_TIMEOUT": "120"}, timeout=110)
+    assert time.monotonic() - start < 40

@@ -32,7 +32,7 @@ from hasten.runtime.watchdog import process_group_timeout, start_watchdog, stop_
 _BEFORE_END: list[Callable[[], None]] = []
 #: What this module installed process-wide, each at most once per process: the atexit teardown and the
 #: failure-report excepthook (with the hook it wraps, to put back).
-_INSTALLED: dict[str, Any] = {"atexit": False, "excepthook": None}
+_INSTALLED: dict[str, Any] = {"atexit": False, "excepthook": None, "failed": False}
 _LOCK = threading.Lock()
 
 
@@ -175,6 +175,7 @@ def _report_failures() -> None:
         _INSTALLED["excepthook"] = previous = sys.excepthook
 
     def _record_then_report(exc_type: Any, exc: Any, tb: Any) -> None:
+        _INSTALLED["failed"] = True  # read by leaving_after_failure at the teardown that follows
         # Under torchrun/hasten launch, the error file lets the agent name the rank that failed first.
         try:
             from torch.distributed.elastic.multiprocessing.errors import get_error_handler
@@ -185,6 +186,16 @@ def _report_failures() -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = _record_then_report
+
+
+def leaving_after_failure() -> bool:
+    """True when this process ends because of an error: an uncaught exception was reported (hasten's
+    failure-report hook or the interpreter's) or is propagating now (a teardown in a ``finally``).
+
+    Release hooks that wait for a peer at a normal end skip that wait then: the run is failing, and
+    waiting would only delay the launcher's noticing it.
+    """
+    return bool(_INSTALLED["failed"]) or sys.exc_info()[0] is not None or getattr(sys, "last_value", None) is not None
 
 
 def _restore_excepthook() -> None:
@@ -237,4 +248,4 @@ def end_group(*, barrier: bool = False, group: Any = None, quiet: bool = False) 
 
 
 __all__ = ["add_before_end_hook", "end_group", "ensure_group", "export_rank_variables", "forget_hooks",
-           "group_running", "run_before_end_hooks", "set_debug_checks", "start_group", "watch_preemption", "watch_run"]
+           "group_running", "leaving_after_failure", "run_before_end_hooks", "set_debug_checks", "start_group", "watch_preemption", "watch_run"]

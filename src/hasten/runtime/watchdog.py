@@ -256,6 +256,12 @@ def start_watchdog(bound: timedelta) -> bool:
     return True
 
 
+def running_bound() -> timedelta | None:
+    """The bound of this rank's running watchdog (the run's collective bound), or ``None`` when none runs."""
+    watchdog = _RUNNING.get("default")
+    return None if watchdog is None else timedelta(seconds=watchdog.bound)
+
+
 def stop_watchdog() -> None:
     """Stop this rank's watchdog (before the process group and its store go away)."""
     TRACKER.enabled = False

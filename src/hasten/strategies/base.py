@@ -264,6 +264,11 @@ class Strategy:
         optimizer's ``load_state_dict`` passes its argument through here. Unchanged by default."""
         return state_dict
 
+    def optimizer_state_to_save(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What the prepared optimizer's public ``state_dict()`` returns for ``optimizer`` (prepared by this
+        strategy): its own ``state_dict()`` by default."""
+        return optimizer.state_dict()
+
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any = None) -> bool:
         """Apply the update through the precision; False when it was skipped (fp16 overflow)."""
         return self.precision.optimizer_step(optimizer, closure)

@@ -45,6 +45,7 @@ from hasten.strategies.base import CheckedState, Strategy, unwrap_common, write_
 from hasten.strategies.pipeline_checkpoint import (
     check_shapes,
     check_sharded,
+    checked_layout,
     full_optimizer_state,
     full_weights,
     load_full_into_sharded,
@@ -54,16 +55,27 @@ from hasten.strategies.pipeline_checkpoint import (
     save_sharded,
     stage_optimizer_state,
 )
-from hasten.strategies.pipeline_nd import full_value, local_part, shard_stage, shards_stages
+from hasten.strategies.pipeline_nd import (
+    check_sharded_schedule,
+    full_value,
+    local_part,
+    shard_stage,
+    shards_stages,
+)
 from hasten.strategies.pipeline_schedules import (
     StageCall,
+    call_shapes,
+    check_divisible,
     check_schedule,
     cut_stages,
-    forward_through_stages,
+    forward_only_schedule,
     local_stages,
+    own_loss,
     stage_ranks,
+    takes_num_items,
 )
 from hasten.strategies.pipeline_split import cut_stage
+from hasten.strategies.pipeline_state_service import PipelineStates
 
 #: ``CheckedState.models`` of a DCP checkpoint: :meth:`PipelineStrategy.load` reads the shards itself.
 _DCP = "dcp"
@@ -113,7 +125,7 @@ class _PipelineRunner:
                                              self._last_stage_kwargs if index == self.num_stages - 1 else None)
                             for index, module in stage_modules.items()}
         self.user_loss_fn = loss_fn
-        self._loss_takes_items = loss_fn is None or _takes_num_items(loss_fn)
+        self._loss_takes_items = loss_fn is None or takes_num_items(loss_fn)
         self.accumulation_steps = accumulation_steps
         self.device = device
         self.schedules: dict[tuple[Any, ...], Any] = {}
@@ -144,7 +156,7 @@ class _PipelineRunner:
         steps, as ``accelerator.backward`` divides any loss.
         """
         if self.user_loss_fn is None:
-            raw = _own_loss(output)
+            raw = own_loss(output)
         elif self._num_items is None:
             raw = self.user_loss_fn(output, target)
         else:
@@ -163,20 +175,23 @@ class _PipelineRunner:
         """The schedule for these input shapes (training: with the loss and backward; else forward only)."""
         from torch.distributed import pipelining
 
-        key = (training, *_shapes(args), *_shapes(kwargs), *_shapes(labels))
+        key = (training, *call_shapes(args), *call_shapes(kwargs), *call_shapes(labels))
         if key not in self.schedules:
             stages = [pipelining.PipelineStage(call, index, self.num_stages, self.device, group=self.group)
                       for index, call in self.stage_calls.items()]
             schedule_class = getattr(pipelining, PP_SCHEDULES[self.schedule_name])
-            if self.schedule_name in PP_MULTI_STAGE:
-                # (evaluation walks the stages itself: forward_through_stages)
+            if self.schedule_name in PP_MULTI_STAGE and not training:
+                self.schedules[key] = forward_only_schedule(self.schedule_name, stages, self.owners, self.microbatches)
+            elif self.schedule_name in PP_MULTI_STAGE:
                 self.schedules[key] = schedule_class(stages, n_microbatches=self.microbatches,
                                                      loss_fn=self._micro_batch_loss, scale_grads=False)
             elif training:
                 self.schedules[key] = schedule_class(stages[0], n_microbatches=self.microbatches,
                                                      loss_fn=self._micro_batch_loss, scale_grads=False)
             else:
-                self.schedules[key] = pipelining.ScheduleGPipe(stages[0], n_microbatches=self.microbatches)
+                # scale_grads=False: torch's GPipe divides the held gradients by the micro-batches even without a loss.
+                self.schedules[key] = pipelining.ScheduleGPipe(stages[0], n_microbatches=self.microbatches,
+                                                               scale_grads=False)
         return self.schedules[key]
 
     def step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -217,11 +232,8 @@ class _PipelineRunner:
     def _evaluate(self, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> torch.Tensor:
         """Forward only; the output (or ``loss_fn(output, labels)``) sent from the last stage to every stage."""
         with torch.no_grad():
-            if self.schedule_name in PP_MULTI_STAGE:
-                output = forward_through_stages(self.stage_calls, self.owners, self.group, self.device, args, kwargs)
-            else:
-                schedule = self._schedule(False, args, kwargs, labels)
-                output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
+            schedule = self._schedule(False, args, kwargs, labels)
+            output = schedule.step(*args, **kwargs) if self.is_first else schedule.step()
             if self.is_last and labels is not None:
                 extra = {} if self._num_items is None else {"num_items_in_batch": self._num_items}
                 output = self.user_loss_fn(output, labels, **extra)  # type: ignore[misc]
@@ -246,10 +258,11 @@ class _PipelineRunner:
         self._check_call(True, args, kwargs, labels)  # the batch splits into micro-batches
         with torch.no_grad():
             schedule = self._schedule(False, args, kwargs, labels)
+            last = {"labels": labels} if self.is_last else {}  # a V placement holds the first and the last stage
             if self.is_first:
-                schedule.step(*args, **kwargs)
+                schedule.step(*args, **kwargs, **last)
             else:
-                schedule.step(**({"labels": labels} if self.is_last else {}))
+                schedule.step(**last)
 
     def _check_call(self, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> int:
         """The batch size; refuses, on every process alike (they all hold the batch), a call the pipeline
@@ -275,48 +288,6 @@ class _PipelineRunner:
         return batch_size
 
 
-def _shapes(data: Any) -> tuple[Any, ...]:
-    """The shapes and dtypes of the tensors in ``data`` (a dict's in key order), to tell schedules apart."""
-    if isinstance(data, torch.Tensor):
-        return ((tuple(data.shape), data.dtype),)
-    if isinstance(data, dict):
-        return tuple(item for key in data for item in ((key,), *_shapes(data[key])))
-    if isinstance(data, (list, tuple)):
-        return tuple(item for value in data for item in _shapes(value))
-    return ()
-
-
-def _takes_num_items(loss_fn: Callable[..., Any]) -> bool:
-    """``loss_fn`` accepts ``num_items_in_batch=`` (by name or through ``**kwargs``)."""
-    import inspect
-
-    try:
-        parameters = inspect.signature(loss_fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
-        return True
-    return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
-def _own_loss(output: Any) -> torch.Tensor:
-    """The model's own loss from its output: the tensor itself, ``output.loss`` or ``output["loss"]``."""
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if loss is None:
-        raise ConfigurationError(f"The model returned {type(output).__name__} without a loss: pass prepare(..., "
-                                 "loss_fn=fn) with fn(output, labels) -> loss, or return a loss when given labels.")
-    return loss  # type: ignore[no-any-return]
-
-
-def check_divisible(batch_size: int, microbatches: int) -> None:
-    """Refuse a batch that does not split into ``microbatches`` equal micro-batches."""
-    if batch_size % microbatches:
-        raise ConfigurationError(
-            f"A batch of {batch_size} rows does not split into pp_microbatches={microbatches} equal micro-batches: use "
-            f"a batch size divisible by {microbatches} (drop_last=True keeps the last batch full), or change "
-            "pp_microbatches. Unequal micro-batches would weight their rows unequally in the mean loss.")
-
-
 class PipelineStrategy(Strategy):
     """One pipeline stage per process (``ParallelismConfig(pp_size=...)``).
 
@@ -340,6 +311,7 @@ class PipelineStrategy(Strategy):
         self._runners: list[_PipelineRunner] = []
         self._layouts: dict[int, Any] = {}
         self._full_keys: set[str] = set()
+        self._states = PipelineStates()  # the main process reads the other stages' state alone (Trainer's saves)
 
     def set_loss_fn(self, loss_fn: Callable[..., Any]) -> None:
         """The loss the last stage computes per micro-batch: ``loss_fn(output, labels)`` (a mean over its rows),
@@ -376,9 +348,9 @@ class PipelineStrategy(Strategy):
                 self._layouts[id(optimizer)] = optimizer_layout(models[0], optimizer)
             except CheckpointError as error:  # raised if it is ever saved: training needs no names
                 self._layouts[id(optimizer)] = str(error)
-        hf_stage: pipeline_hf.TransformersStage | None = None
+        hf_stages: list[pipeline_hf.TransformersStage] | None = None
         if transformers_model:
-            model, stage_modules, hf_stage, tied = self._cut_transformers(models[0])
+            model, stage_modules, hf_stages, tied = self._cut_transformers(models[0])
         else:
             model, stage_modules = self._cut(models[0])
         if device_placement[0]:
@@ -388,7 +360,7 @@ class PipelineStrategy(Strategy):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in kept]
-        if hf_stage is not None and tied and shards_stages(self.config):
+        if hf_stages is not None and tied and shards_stages(self.config):
             # The tie is kept by summing two stages' full gradients after the schedule; FSDP2/TP have
             # reduce-scattered them into shards by then, which that sum does not handle yet.
             raise ConfigurationError(
@@ -400,23 +372,27 @@ class PipelineStrategy(Strategy):
         runner = _PipelineRunner(model, stage_modules, self.config, self.device_mesh, self.device, self._loss_fn,
                                  accumulation_steps or 1)
         self._runners.append(runner)
-        if hf_stage is not None:
-            call = pipeline_hf.TransformersPipelineCall(model, hf_stage, runner, self._pp_group(), tied)
+        if not shards_stages(self.config):  # sharded stages: a shard's full tensors need every process
+            self._states.start(self.device_mesh, model, optimizers, self._layouts)
+        if hf_stages is not None:
+            call = pipeline_hf.TransformersPipelineCall(model, hf_stages, runner, self._pp_group(), tied)
             return [PipelinedModel(model, runner, call)], optimizers
         return [PipelinedModel(model, runner)], optimizers
 
     def _cut_transformers(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module], Any, Any]:
-        """Cut a transformers model by its plan into this process's one stage (the single-stage schedules)."""
+        """Cut a transformers model by its plan into this process's stages (several under the interleaved,
+        looped and V schedules)."""
         processes, rank = int(self.config.pp_size), int(self.device_mesh.get_local_rank("pp"))  # type: ignore[arg-type]
         schedule = str(self.config.pp_schedule)
-        if schedule in PP_MULTI_STAGE:
-            raise ConfigurationError(
-                f"pp_schedule={schedule!r} places several stages on each process, which a model cut by its "
-                f"transformers plan ({type(model).__name__}) does not support yet: use pp_schedule='1F1B' or 'GPipe'.")
-        check_schedule(schedule, processes, processes, self.config.pipeline_microbatches)
         points = None if self.config.pp_split_points is None else list(self.config.pp_split_points)
-        cut, hf_stage, tied = pipeline_hf.cut_transformers_stage(model, points, rank, processes)
-        return cut, {rank: hf_stage}, hf_stage, tied
+        # Without split points: an even split into the schedule's stages (two per process where it places several).
+        num_stages = processes * self.config.pipeline_stages_per_process if points is None else len(points) + 1
+        check_schedule(schedule, processes, num_stages, self.config.pipeline_microbatches)
+        check_sharded_schedule(schedule, self.config)
+        kept = local_stages(schedule, processes, num_stages, rank)
+        cut, stage_modules, tied = pipeline_hf.cut_transformers_stages(model, points, kept, num_stages,
+                                                                      self._states.full_weights)
+        return cut, dict(stage_modules), list(stage_modules.values()), tied
 
     def _cut(self, model: nn.Module) -> tuple[nn.Module, dict[int, nn.Module]]:
         """Check the schedule can run, then cut ``model`` (in place) into this process's stages.
@@ -430,10 +406,7 @@ class PipelineStrategy(Strategy):
         check_schedule(schedule, processes, num_stages, self.config.pipeline_microbatches)
         if schedule not in PP_MULTI_STAGE:
             return cut_stage(model, points, rank, processes), {rank: model}
-        if shards_stages(self.config):
-            raise ConfigurationError(
-                f"pp_schedule={schedule!r} places several stages on each process, which does not compose with "
-                "dp_shard_size/tp_size yet: use pp_schedule='1F1B' or 'GPipe' there, or dp_replicate_size.")
+        check_sharded_schedule(schedule, self.config)
         stage_modules = cut_stages(model, points, local_stages(schedule, processes, num_stages, rank), num_stages)
         return model, stage_modules
 
@@ -524,19 +497,18 @@ class PipelineStrategy(Strategy):
         return self.device_mesh["pp"].get_group()
 
     def _layout(self, optimizer: torch.optim.Optimizer) -> Any:
-        layout = self._layouts.get(id(optimizer))
-        if isinstance(layout, str):
-            raise CheckpointError(layout)
-        if layout is None:
-            raise CheckpointError("This optimizer was not prepared together with the model under pp_size > 1 "
-                                  "(prepare(model, optimizer) in one call), so its state cannot be named.")
-        return layout
+        return checked_layout(self._layouts.get(id(optimizer)))
 
     def optimizer_state_to_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A full-model optimizer state (one process's, as transformers' Trainer resumes it) re-indexed onto
         this stage: :func:`~hasten.strategies.pipeline_checkpoint.optimizer_state_for_stage`."""
         return optimizer_state_for_stage(state_dict, self._runners[-1].module, optimizer,
                                          self._layouts.get(id(optimizer)), sharded=shards_stages(self.config))
+
+    def optimizer_state_to_save(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The full model's optimizer state on the main process (unsharded stages), as one process's
+        ``optimizer.state_dict()`` (transformers' Trainer saves it from there alone); elsewhere the stage's."""
+        return self._states.optimizer_state(optimizer)
 
     def model_state_dict(self, model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The full model's state dict, gathered from every stage, on every process (all must call it)."""

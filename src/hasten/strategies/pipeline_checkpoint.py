@@ -52,6 +52,21 @@ def optimizer_layout(model: nn.Module, optimizer: torch.optim.Optimizer) -> Opti
     return layout
 
 
+def checked_layout(layout: OptimizerLayout | str | None) -> OptimizerLayout:
+    """An optimizer's layout as ``prepare`` recorded it.
+
+    Raises:
+        CheckpointError: why its state cannot be named (``layout`` is that reason, or ``None``: the optimizer
+            was not prepared with the model).
+    """
+    if isinstance(layout, str):
+        raise CheckpointError(layout)
+    if layout is None:
+        raise CheckpointError("This optimizer was not prepared together with the model under pp_size > 1 "
+                              "(prepare(model, optimizer) in one call), so its state cannot be named.")
+    return layout
+
+
 def full_weights(stage: nn.Module, group: Any) -> dict[str, torch.Tensor]:
     """Every stage's weights, merged, on every process of ``group`` (a collective)."""
     mine = {key: full_value(value.detach()).cpu() for key, value in stage.state_dict().items()}  # sharded: gathered
@@ -66,16 +81,29 @@ def full_weights(stage: nn.Module, group: Any) -> dict[str, torch.Tensor]:
 def full_optimizer_state(stage: nn.Module, optimizer: torch.optim.Optimizer, layout: OptimizerLayout,
                          group: Any) -> dict[str, Any]:
     """The optimizer state one process would have saved for the full model (a collective over ``group``)."""
-    names = {id(param): name for name, param in stage.named_parameters()}
-    order = [names[id(p)] for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)]
-    local = optimizer.state_dict()
-    mine = {order[index]: _to_cpu(state) for index, state in local["state"].items()}
+    mine = named_optimizer_state(stage, optimizer)
     parts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)
+    return merged_optimizer_state(parts, optimizer.state_dict()["param_groups"], layout)
+
+
+def named_optimizer_state(stage: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """This stage's per-parameter optimizer state keyed by full-model parameter names (CPU copies)."""
+    names = {id(param): name for name, param in stage.named_parameters()}
+    order = [names[id(p)] for p in chain.from_iterable(g["params"] for g in optimizer.param_groups)]
+    return {order[index]: _to_cpu(state) for index, state in optimizer.state_dict()["state"].items()}
+
+
+def merged_optimizer_state(parts: list[dict[str, dict[str, Any]]], param_groups: list[dict[str, Any]],
+                           layout: OptimizerLayout) -> dict[str, Any]:
+    """The stages' :func:`named_optimizer_state` as one process's ``optimizer.state_dict()`` of the full
+    model: indexed over ``layout`` (the optimizer as built before the cut), groups' hyper-parameters from
+    ``param_groups`` (any stage's: they are the same on every stage)."""
     index_of = {name: index for index, name in enumerate(chain.from_iterable(layout))}
-    state = {index_of[name]: value for part in parts for name, value in part.items()}
+    by_index = {index_of[name]: value for part in parts for name, value in part.items()}
+    state = {index: by_index[index] for index in sorted(by_index)}
     groups = [{**{k: v for k, v in hyper.items() if k != "params"}, "params": [index_of[n] for n in names_in_group]}
-              for hyper, names_in_group in zip(local["param_groups"], layout)]
+              for hyper, names_in_group in zip(param_groups, layout)]
     return {"state": state, "param_groups": groups}
 
 
@@ -264,6 +292,6 @@ def _to_cpu(state: dict[str, Any]) -> dict[str, Any]:
     return {key: value.detach().cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
-__all__ = ["OptimizerLayout", "check_shapes", "check_sharded", "full_optimizer_state", "full_weights", "load_sharded",
-           "load_full_into_sharded", "named_stage_optimizer_state", "optimizer_layout",
-           "optimizer_state_for_stage", "save_sharded", "stage_optimizer_state"]
+__all__ = ["OptimizerLayout", "check_shapes", "check_sharded", "checked_layout", "full_optimizer_state", "full_weights", "load_sharded",
+           "load_full_into_sharded", "merged_optimizer_state", "named_optimizer_state", "named_stage_optimizer_state",
+           "optimizer_layout", "optimizer_state_for_stage", "save_sharded", "stage_optimizer_state"]

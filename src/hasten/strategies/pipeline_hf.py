@@ -18,6 +18,8 @@ The cut model's own ``forward`` is routed into the pipeline too (Trainer evaluat
 In evaluation with labels the last stage runs the model's forward with them, as in training, and its
 outputs (loss, logits, a fused head's per-token ones) are sent to every stage. A PEFT wrapper is cut by
 its transformers model's plan under the wrapper's names (the adapters live inside the model's modules).
+Under the schedules with several stages per process, each of the process's stages runs this on a view
+of the cut model that holds only that stage's units (:func:`cut_transformers_stages`).
 
 The loss is token-normalised over the whole batch, as one process computes it: the last stage divides
 each micro-batch's token sum by ``num_items_in_batch`` when the caller passes it (Trainer does) and by
@@ -38,6 +40,7 @@ a backward of the scaled loss would give. The factor must stay the same within a
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +48,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hasten.exceptions import ConfigurationError
+from hasten.strategies.pipeline_hf_saving import guard_save_pretrained, save_adapters_of_every_stage, to_meta
+from hasten.strategies.pipeline_schedules import stage_views
 from hasten.strategies.pipeline_split import skip_other_stages
 
 #: Set on the second and later stages' copies of a weight tied across stages: ``clip_grad_norm_`` counts it once.
@@ -331,12 +336,16 @@ class TransformersPipelineCall:
     num_items``), and the gradients are scaled to match; then tied weights' gradients are summed.
     """
 
-    def __init__(self, model: nn.Module, stage: TransformersStage, runner: Any, group: Any,
+    def __init__(self, model: nn.Module, stages: list[TransformersStage], runner: Any, group: Any,
                  tied: list[tuple[nn.Parameter | None, torch.Size, torch.dtype]]) -> None:
         # The transformers model (its loss_function and config are read), inside a PEFT wrapper or not
         self.model: Any = wrapped_transformers_model(model)[0]
-        self.stage, self.runner, self.group, self.tied = stage, runner, group, tied
-        self.last_rank = dist.get_global_rank(group, dist.get_world_size(group) - 1)
+        self.runner, self.group, self.tied = runner, group, tied
+        #: This process's stages (several under the interleaved, looped and V schedules); ``stage``, the one
+        #: whose per-call fields are set (then copied to the others): the last stage where this process has it.
+        self.stages = stages
+        self.stage = next((stage for stage in stages if stage.is_last), stages[0])
+        self.last_rank = runner.last_rank
         self.output_class = _output_class(self.model)
         self.causal_lm = getattr(self.model, "loss_type", None) == "ForCausalLM"
         self.scale = 1.0
@@ -374,17 +383,26 @@ class TransformersPipelineCall:
         # The runner divides each micro-batch's loss by the micro-batches: a share of the batch's sum is not.
         multiplier = self.runner.microbatches if stage.loss_divisor is not None else 1
         stage.loss_multiplier = multiplier * self.scale
+        stage.extras = []
+        self._share_fields()
         if not (torch.is_grad_enabled() and module.training):
             return self._evaluate(module, args, kwargs, labels)
-        self._fresh = all(p.grad is None for p in stage.parameters())
+        self._fresh = all(p.grad is None for p in self.model.parameters())
         self._snapshots = [None if p is None or p.grad is None else p.grad.detach().clone() for p, _, _ in self.tied]
-        stage.extras = []
         result = self.runner.step(module, args, kwargs)
         output_class, extras = self._extras(labels, stage.constants, training=True)
         self._sink = {}
         self._label_mask = extras.get("label_mask")
         fields = {key: _probed(value, key, self._sink) if key == "log_probs" else value for key, value in extras.items()}
         return output_class(loss=_probed(result / self.scale, "loss", self._sink), **fields)
+
+    def _share_fields(self) -> None:
+        """Give this process's other stages the call's fields (each stage's forward reads its own)."""
+        for other in self.stages:
+            if other is not self.stage:
+                other.carried, other.constants, other.own_loss = self.stage.carried, self.stage.constants, self.stage.own_loss
+                other.loss_divisor, other.loss_multiplier = self.stage.loss_divisor, self.stage.loss_multiplier
+                other.extras = []
 
     def _evaluate(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], labels: Any) -> Any:
         """Forward only: the logits on every process; with labels, the model's own output with them.
@@ -487,113 +505,92 @@ class TransformersPipelineCall:
                 f"micro-steps of this gradient window used {self.scale:g}: the backward ran inside the model call, so "
                 "scale the loss by the same factor on every step (or not at all). A new factor is taken at the first "
                 "backward after optimizer.zero_grad() (set_to_none=True, the default).")
-        for param in self.stage.parameters():
+        for param in self.model.parameters():
             if param.grad is not None:
                 param.grad.mul_(factor / self.scale)
         self.scale = factor
 
 
-def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, stage_index: int,
-                           num_stages: int) -> tuple[nn.Module, TransformersStage, list[Any]]:
+def cut_transformers_stage(model: nn.Module, split_points: list[str] | None, stage_index: int, num_stages: int,
+                           full_weights: Callable[[], dict[str, torch.Tensor] | None] | None = None,
+                           ) -> tuple[nn.Module, TransformersStage, list[Any]]:
     """Cut a transformers model (in place) into pipeline stage ``stage_index`` by its plan.
+
+    ``full_weights`` gives the whole model's weights to a ``save_pretrained`` without a ``state_dict``
+    (transformers' Trainer calls it so on the main process alone), or ``None`` where this process cannot
+    read the other stages' weights alone.
 
     Returns:
         The cut model (full-model names), the module the pipeline stage runs, and the weights tied across
         stages as ``(parameter or None where another stage holds it, shape, dtype)`` in the same order on
         every stage.
     """
+    model, stages, tied = cut_transformers_stages(model, split_points, [stage_index], num_stages, full_weights)
+    return model, stages[stage_index], tied
+
+
+def cut_transformers_stages(model: nn.Module, split_points: list[str] | None, kept: list[int], num_stages: int,
+                            full_weights: Callable[[], dict[str, torch.Tensor] | None] | None = None,
+                            ) -> tuple[nn.Module, dict[int, TransformersStage], list[Any]]:
+    """Cut a transformers model (in place) into the pipeline stages ``kept`` (one process's) by its plan.
+
+    With several stages, each runs a view of the cut model that holds only that stage's units (sharing
+    the modules and parameters: :func:`~hasten.strategies.pipeline_schedules.stage_views`).
+
+    Returns:
+        The cut model (the kept stages' units, full-model names), each kept stage's module, and the weights
+        tied across stages as ``(parameter or None where no kept stage holds it, shape, dtype)`` in the same
+        order on every process.
+
+    Raises:
+        ConfigurationError: several stages of a model whose ``forward`` was replaced on the instance (a
+            stage's view would run the replacement over every stage's modules).
+    """
     units = transformers_stage_units(model, split_points, num_stages)
+    if len(kept) > 1 and "forward" in vars(model):
+        raise ConfigurationError(
+            f"{type(model).__name__}.forward was replaced on the model object (as some trainers do); a pipeline "
+            "schedule with several stages per process cannot run it stage by stage: use pp_schedule='1F1B' or "
+            "'GPipe'.")
+    inner = wrapped_transformers_model(model)[0]
+    if len(kept) > 1 and inner is not model:
+        raise ConfigurationError(
+            f"A PEFT-wrapped model ({type(model).__name__}) runs the schedules with one stage per process only (its "
+            "adapters' save and forward are not checked over several stages per process): use pp_schedule='1F1B' "
+            "or 'GPipe'.")
     tied = []
     for param, stages in _tied_weights(model, units):
         if not param.requires_grad:  # frozen (a PEFT model's base weights): no gradients to sum
             continue
-        held = stage_index in stages
-        if held and stage_index != stages[0]:
+        held = any(stage in kept for stage in stages)
+        if held and stages[0] not in kept:  # the first holder's process counts it (clip_grad_norm_)
             setattr(param, PP_TIED_MIRROR, True)
         tied.append((param if held else None, param.shape, param.dtype))
-    # A unit whose weights this stage holds anyway (the embedding beside a tied head) stays, costing
-    # nothing: the stage then knows the weight under all its names, as the full model does.
-    mine = {id(p) for name, stage in units if stage == stage_index for p in model.get_submodule(name).parameters()}
-    kept = [(name, stage_index if params and {id(p) for p in params} <= mine else stage) for name, stage in units
-            for params in [list(model.get_submodule(name).parameters())]]
-    inner = wrapped_transformers_model(model)[0]
-    skeletons = {name: model.get_submodule(name) for name, stage in kept if stage != stage_index}
-    skip_other_stages(model, kept, stage_index)
+    # A unit whose weights a kept stage holds anyway (the embedding beside a tied head) stays with that
+    # stage, costing nothing: the process then knows the weight under all its names, as the full model does.
+    mine = {stage: {id(p) for name, owner in units if owner == stage for p in model.get_submodule(name).parameters()}
+            for stage in kept}
+    relabelled = []
+    for name, stage in units:
+        params = {id(p) for p in model.get_submodule(name).parameters()}
+        holder = next((k for k in kept if params and params <= mine[k]), stage) if stage not in kept else stage
+        relabelled.append((name, holder))
+    skeletons = {name: model.get_submodule(name) for name, stage in relabelled if stage not in kept}
+    if len(kept) == 1:
+        skip_other_stages(model, relabelled, kept[0])
+        stage_modules = {kept[0]: TransformersStage(model, kept[0], num_stages)}
+    else:
+        views = stage_views(model, relabelled, kept)
+        stage_modules = {index: TransformersStage(view, index, num_stages) for index, view in views.items()}
     if inner is not model:
-        _save_adapters_of_every_stage(model, {name: _to_meta(unit) for name, unit in skeletons.items()})
-        _guard_save_pretrained(inner)  # the transformers model (merge_and_unload returns it) holds one stage too
-    _guard_save_pretrained(model)
-    return model, TransformersStage(model, stage_index, num_stages), tied
-
-
-def _to_meta(unit: nn.Module) -> nn.Module:
-    """``unit`` (just cut away from this stage) with its weights replaced by shapeless meta tensors, in place.
-
-    The Parameter objects are replaced in ``unit``'s own tables, not changed: one this stage shares (a tied
-    weight) stays whole where the stage holds it, and the others are freed with the optimizer's reference.
-    """
-    for module in unit.modules():
-        for key, param in module._parameters.items():
-            if param is not None:
-                module._parameters[key] = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-        for key, buffer in module._buffers.items():
-            if buffer is not None:
-                module._buffers[key] = torch.empty_like(buffer, device="meta")
-    return unit
-
-
-def _save_adapters_of_every_stage(model: nn.Module, skeletons: dict[str, nn.Module]) -> None:
-    """A PEFT wrapper's ``save_pretrained(path, state_dict=full)`` writes every stage's adapter weights.
-
-    PEFT picks the adapter's entries of ``state_dict`` by visiting the adapter layers of the model it is
-    called on, which on a cut stage are that stage's only; for the call the other stages' units come back
-    as meta-tensor skeletons (their names, no weights), and the values are the given state dict's.
-    """
-    save_pretrained: Any = model.save_pretrained
-
-    def save_with_every_stage(*args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
-        if state_dict is None:
-            return save_pretrained(*args, **kwargs)
-        skipped = {name: model.get_submodule(name) for name in skeletons}
-        try:
-            for name, unit in skeletons.items():
-                parent, _, child = name.rpartition(".")
-                model.get_submodule(parent).register_module(child, unit)
-            return save_pretrained(*args, state_dict=state_dict, **kwargs)
-        finally:
-            for name, unit in skipped.items():
-                parent, _, child = name.rpartition(".")
-                model.get_submodule(parent).register_module(child, unit)
-
-    model.save_pretrained = save_with_every_stage  # type: ignore[assignment]
-
-
-def _guard_save_pretrained(model: nn.Module) -> None:
-    """The cut model's ``save_pretrained`` without a ``state_dict`` would write one stage as the whole
-    model: refuse that; with the gathered one (``accelerator.get_state_dict``) it saves as usual.
-
-    The refusal cannot gather instead: the caller may be the main process alone (transformers' Trainer
-    saves so), and a gather the other stages do not join would hang.
-    """
-    save_pretrained = getattr(model, "save_pretrained", None)
-    if save_pretrained is None:
-        return
-
-    def guarded(*args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
-        if state_dict is None:
-            raise ConfigurationError(
-                "Under pp_size > 1 this model object holds one pipeline stage; save_pretrained would write that stage "
-                "alone. Pass the full weights: model.save_pretrained(path, state_dict=accelerator.get_state_dict("
-                "model)) on every process (it gathers), or accelerator.save_model(model, path). Transformers' Trainer "
-                "checkpoints (save_strategy, trainer.save_model()) call save_pretrained on the main process alone, "
-                "where the other stages' weights cannot be gathered (its collective saves are FSDP's and DeepSpeed's "
-                "only): set save_strategy='no' and save the trained model with trainer.accelerator.save_model("
-                "trainer.model_wrapped, path) on every process.")
-        return save_pretrained(*args, state_dict=state_dict, **kwargs)
-
-    model.save_pretrained = guarded  # type: ignore[assignment]
+        save_adapters_of_every_stage(model, {name: to_meta(unit) for name, unit in skeletons.items()})
+        # The transformers model (merge_and_unload returns it) holds one stage too; the stages' weights are
+        # the wrapper's (its names), so without a state_dict it refuses.
+        guard_save_pretrained(inner, lambda: None)
+    guard_save_pretrained(model, full_weights or (lambda: None))
+    return model, stage_modules, tied
 
 
 __all__ = ["PP_TIED_MIRROR", "TransformersPipelineCall", "TransformersStage", "cut_transformers_stage",
-           "transformers_pp_plan", "transformers_split_points", "transformers_stage_units",
+           "cut_transformers_stages", "transformers_pp_plan", "transformers_split_points", "transformers_stage_units",
            "wrapped_transformers_model"]

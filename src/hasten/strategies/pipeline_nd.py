@@ -4,7 +4,8 @@
 With ``ParallelismConfig(pp_size=P, dp_shard_size=S, tp_size=T)`` (and optionally ``dp_replicate_size=R``:
 HSDP) the run's one mesh is ``(pp, dp_replicate, dp_shard, tp)``, pipeline outermost (stages exchange only
 activations) and tensor parallel innermost. Every process holds one stage (the model with the other
-stages' modules made no-ops, names kept), applies the tensor-parallel plan to the stage's own modules on
+stages' modules made no-ops, names kept; two or more stages under Interleaved1F1B and LoopedBFS, whose
+views share the modules sharded here), applies the tensor-parallel plan to the stage's own modules on
 the ``tp`` dimension (as :mod:`hasten.strategies.nd` does for a whole model), and shards it with FSDP2 over
 the ``dp_shard`` dimension (``(dp_replicate, dp_shard)`` for HSDP; a ``dp_shard`` of 1 under PP x TP alone,
 where FSDP2 keeps whole parameters and only reduces across replicas):
@@ -39,6 +40,20 @@ def shards_stages(config: ParallelismConfig) -> bool:
     """True when a pipeline stage is sharded (``dp_shard_size > 1``) or tensor-parallel: its parameters are
     DTensors and FSDP2 owns its gradient reduction."""
     return config.dp_shard_enabled or config.tp_enabled
+
+
+#: The schedules that split each backward into input and weight gradients (torch's ``stage_backward_weight``).
+_SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def check_sharded_schedule(schedule: str, config: ParallelismConfig) -> None:
+    """Refuse a split-backward schedule over sharded or tensor-parallel stages: its weight gradients,
+    computed apart from the backward, come out wrong there (measured: off by 6e-2 after 3 steps)."""
+    if schedule in _SPLIT_BACKWARD and shards_stages(config):
+        raise ConfigurationError(
+            f"pp_schedule={schedule!r} computes weight gradients apart from the backward, which FSDP2/TP stages "
+            "(dp_shard_size/tp_size) do not reduce correctly: use 'Interleaved1F1B' or 'LoopedBFS' there (or "
+            "'1F1B'/'GPipe'), or dp_replicate_size.")
 
 
 def shard_mesh(config: ParallelismConfig, mesh: Any) -> Any:
@@ -180,4 +195,4 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-__all__ = ["full_value", "local_part", "shard_mesh", "shard_stage", "shards_stages", "stage_units"]
+__all__ = ["check_sharded_schedule", "full_value", "local_part", "shard_mesh", "shard_stage", "shards_stages", "stage_units"]

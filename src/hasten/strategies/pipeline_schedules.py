@@ -116,7 +116,18 @@ def cut_stages(model: nn.Module, split_points: list[str], kept: list[int], num_s
         ``{stage: module}``: a module that runs only that stage's modules (names as in the full model),
         sharing ``model``'s modules and parameters.
     """
-    units = stage_units(model, split_points, num_stages)
+    return stage_views(model, stage_units(model, split_points, num_stages), kept)
+
+
+def stage_views(model: nn.Module, units: list[tuple[str, int]], kept: list[int]) -> dict[int, nn.Module]:
+    """Skip (in place) the ``units`` of stages not in ``kept``; return a view of ``model`` per kept stage.
+
+    Args:
+        model: the full model.
+        units: ``(module name, stage)`` pairs in model order; modules that are neither a unit nor an
+            ancestor of one (a transformers model's rotary embedding) are shared by every view.
+        kept: the stages this process holds.
+    """
     for name, stage in units:
         if stage not in kept:
             _replace(model, name, SkippedModule(name))
@@ -139,7 +150,7 @@ def _view(module: nn.Module, prefix: str, ancestors: set[str], owner: dict[str, 
         name = f"{prefix}{child_name}"
         if name in ancestors and name not in owner:
             view._modules[child_name] = _view(child, f"{name}.", ancestors, owner, stage)  # type: ignore[arg-type]
-        elif owner.get(name) == stage:
+        elif name not in owner or owner[name] == stage:  # this stage's unit, or a module every stage shares
             view._modules[child_name] = child
         else:
             view._modules[child_name] = SkippedModule(name)
@@ -171,35 +182,79 @@ class StageCall(nn.Module):
         return self.module(*args, **step_kwargs)
 
 
-def forward_through_stages(stage_calls: Mapping[int, nn.Module], owners: Mapping[int, int], group: Any,
-                           device: torch.device, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Forward only, the whole batch through the stages in order (evaluation with several stages per process).
+def forward_only_schedule(schedule: str, stages: list[Any], owners: Mapping[int, int], microbatches: int) -> Any:
+    """A forward-only schedule (evaluation) over this process's ``stages``, placed as ``schedule`` places them.
 
-    torch's V-placed schedules cannot run forward alone, so evaluation walks the stages: each stage's
-    output goes to the next stage's process (its shape and dtype first), or stays here when that
-    process is this one.
-
-    Returns:
-        the last stage's output on the process that holds it; ``None`` elsewhere.
+    Loop-placed schedules run forward only when built without a loss. torch's V-placed schedules
+    (ZBVZeroBubble, DualPipeV) do not: their plans hold backward steps, and without a loss a process waits
+    forever for gradients. For them the plan is GPipe's on the V placement: every process runs each of its
+    stages over all micro-batches, in pipeline order (torch's runtime adds the sends and receives).
     """
-    import torch.distributed as dist
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
-    me = dist.get_rank(group)
-    hidden: Any = None
-    for stage in range(len(owners)):
-        if owners[stage] != me:
-            continue
-        if stage > 0 and owners[stage - 1] != me:
-            meta: list[Any] = [None]
-            dist.recv_object_list(meta, src=dist.get_global_rank(group, owners[stage - 1]), group=group)
-            hidden = torch.empty(meta[0][0], dtype=meta[0][1], device=device)
-            dist.recv(hidden, src=dist.get_global_rank(group, owners[stage - 1]), group=group)
-        hidden = stage_calls[stage](*args, **kwargs) if stage == 0 else stage_calls[stage](hidden, **kwargs)
-        if stage + 1 < len(owners) and owners[stage + 1] != me:
-            peer = dist.get_global_rank(group, owners[stage + 1])
-            dist.send_object_list([(tuple(hidden.shape), hidden.dtype)], dst=peer, group=group)
-            dist.send(hidden.contiguous(), dst=peer, group=group)
-    return hidden if owners[len(owners) - 1] == me else None
+    # scale_grads=False: the plans' gradient step would otherwise divide gradients held from training.
+    if PP_MULTI_STAGE[schedule] != "v":
+        return getattr(pipelining, PP_SCHEDULES[schedule])(stages, n_microbatches=microbatches, loss_fn=None,
+                                                           scale_grads=False)
+    runtime = _PipelineScheduleRuntime(stages, n_microbatches=microbatches, loss_fn=None, scale_grads=False)
+    plan: dict[int, list[_Action | None]] = {rank: [] for rank in sorted(set(owners.values()))}
+    for stage in sorted(owners):
+        plan[owners[stage]] += [_Action(stage, _ComputationType.FORWARD, micro) for micro in range(microbatches)]
+    # torch checks that a plan holds a backward per micro-batch, then lowers it (adds the sends and receives);
+    # the backward steps are dropped afterwards (run without a loss, torch's hand-off between two stages of
+    # one process fails on them).
+    for stage in sorted(owners, reverse=True):
+        plan[owners[stage]] += [_Action(stage, _ComputationType.FULL_BACKWARD, micro) for micro in range(microbatches)]
+    runtime._prepare_schedule_with_comms(plan)  # noqa: SLF001 - torch's way to run a given plan
+    backward = {_ComputationType.FULL_BACKWARD, _ComputationType.SEND_B, _ComputationType.RECV_B,
+                _ComputationType.REDUCE_GRAD}
+    runtime.pipeline_order_with_comms = {rank: [action for action in actions if action.computation_type not in backward]
+                                         for rank, actions in runtime.pipeline_order_with_comms.items()}
+    return runtime
 
 
-__all__ = ["StageCall", "check_schedule", "cut_stages", "forward_through_stages", "local_stages", "stage_ranks"]
+def call_shapes(data: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of the tensors in ``data`` (a dict's in key order), to tell schedules apart."""
+    if isinstance(data, torch.Tensor):
+        return ((tuple(data.shape), data.dtype),)
+    if isinstance(data, dict):
+        return tuple(item for key in data for item in ((key,), *call_shapes(data[key])))
+    if isinstance(data, (list, tuple)):
+        return tuple(item for value in data for item in call_shapes(value))
+    return ()
+
+
+def takes_num_items(loss_fn: Callable[..., Any]) -> bool:
+    """``loss_fn`` accepts ``num_items_in_batch=`` (by name or through ``**kwargs``)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return True
+    return any(p.name == "num_items_in_batch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def own_loss(output: Any) -> torch.Tensor:
+    """The model's own loss from its output: the tensor itself, ``output.loss`` or ``output["loss"]``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ConfigurationError(f"The model returned {type(output).__name__} without a loss: pass prepare(..., "
+                                 "loss_fn=fn) with fn(output, labels) -> loss, or return a loss when given labels.")
+    return loss  # type: ignore[no-any-return]
+
+
+def check_divisible(batch_size: int, microbatches: int) -> None:
+    """Refuse a batch that does not split into ``microbatches`` equal micro-batches."""
+    if batch_size % microbatches:
+        raise ConfigurationError(
+            f"A batch of {batch_size} rows does not split into pp_microbatches={microbatches} equal micro-batches: use "
+            f"a batch size divisible by {microbatches} (drop_last=True keeps the last batch full), or change "
+            "pp_microbatches. Unequal micro-batches would weight their rows unequally in the mean loss.")
+
+
+__all__ = ["StageCall", "call_shapes", "check_divisible", "check_schedule", "cut_stages", "forward_only_schedule",
+           "local_stages", "own_loss", "stage_ranks", "stage_views", "takes_num_items"]

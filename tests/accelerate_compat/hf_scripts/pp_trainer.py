@@ -1,9 +1,10 @@
 """Transformers' Trainer or TRL's SFTTrainer on a tiny Llama (from a config, synthetic text, no hub), unchanged
 whatever the launch config's pipeline size. Rank 0 prints one ``RESULT {json}`` line with the logged losses (and
 the evaluation's metrics) and writes the final full weights (``accelerator.get_state_dict``) to ``weights.pt``;
-every process then calls ``accelerator.save_model`` into ``final/`` (the documented way to save under pp_size > 1).
-With ``--save_steps N`` Trainer checkpoints every N steps (refused under pp_size > 1, see docs/nd-parallelism.md);
-``--resume FOLDER`` resumes from such a checkpoint; ``--lora`` trains a PEFT LoRA adapter.
+every process then calls ``accelerator.save_model`` into ``final/``. With ``--save_steps N`` Trainer checkpoints every
+N steps (and at the end); ``--resume FOLDER`` resumes from such a checkpoint; ``--save_model FOLDER`` calls
+``trainer.save_model(FOLDER)`` on every process after training (Trainer writes from the main process alone);
+``--lora`` trains a PEFT LoRA adapter.
 
 Run under ``hasten launch`` (a config with ``parallelism_config_pp_size``) or plain ``python --alias``.
 """
@@ -20,6 +21,7 @@ parser.add_argument("--save_steps", type=int, default=0)
 parser.add_argument("--resume", default=None, help="a Trainer checkpoint folder to resume from")
 parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter (Trainer: get_peft_model; SFT: "
                     "peft_config); rank 0 also writes the adapter with save_pretrained into adapter/")
+parser.add_argument("--save_model", default=None, help="trainer.save_model(FOLDER) after training")
 options = parser.parse_args()
 if options.alias:
     import hasten
@@ -113,6 +115,8 @@ def main():
                           train_dataset=data, eval_dataset=data[:16], callbacks=[losses])
     frozen = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if not p.requires_grad}
     trainer.train(resume_from_checkpoint=options.resume)
+    if options.save_model:
+        trainer.save_model(options.save_model)
     evaluated = trainer.evaluate()
     accelerator = trainer.accelerator
     weights = accelerator.get_state_dict(trainer.model_wrapped)
