@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.torchft_launch import ROOT, kill_everything, processes_with, run_launch, torchft_python
+
 SAMPLES = 512  # group 0 alone needs ~100 steps after the kill: room for the restart on a loaded machine
 
 TRAIN_TEMPLATE = '''
@@ -81,53 +81,6 @@ def train_script(samples: int = SAMPLES, kill_rank: int = 0, failure: str = "kil
 
 
 TRAIN = train_script()
-
-
-def torchft_python() -> str:
-    """The interpreter with torchft: this one, else the venv ``make tft-venv`` builds."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchft") is not None:
-        return sys.executable
-    candidate = Path(os.environ.get("HASTEN_TORCHFT_PYTHON") or ROOT / ".tft-venv" / "bin" / "python")
-    if not candidate.exists():
-        pytest.fail(f"torchft is not installed here and there is no torchft environment at {candidate}: run "
-                    "`make tft-venv` (`make test` builds it)")
-    return str(candidate)
-
-
-def _processes_with(tag: str) -> list[int]:
-    """Processes whose environment holds ``tag`` (this test's launcher, its groups and their workers)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if tag.encode() in f.read():
-                        found.append(int(name))
-            except OSError:
-                continue
-    return found
-
-
-def run_launch(out: Path, script: Path, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``hasten launch`` with torchft's interpreter; every process it started is gone afterwards."""
-    tag = f"HASTEN_FT_TEST_RUN={uuid.uuid4().hex}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "FT_OUT": str(out), tag.split("=")[0]: tag.split("=")[1]}
-    proc = subprocess.Popen([torchft_python(), "-m", "hasten.commands.main", "launch", "--cpu", *flags, str(script)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops its groups and the Lighthouse
-            try:
-                proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        _kill_everything(tag, proc)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, "")
 
 
 @dataclasses.dataclass
@@ -374,7 +327,7 @@ def test_sigterm_to_the_launcher_stops_every_group_worker_and_the_lighthouse(tmp
         for line in proc.stdout:  # the groups' torchft logs: wait until both groups committed a step
             if "should_commit completed should_commit=true" in line and "hasten_1" in line:
                 break
-        started = _processes_with(tag)
+        started = processes_with(tag)
         assert len(started) >= 5  # launcher, Lighthouse, 2 group agents, their workers
         proc.send_signal(signal.SIGTERM)  # to the launcher alone, not its process group
         output, _ = proc.communicate(timeout=60)
@@ -382,19 +335,7 @@ def test_sigterm_to_the_launcher_stops_every_group_worker_and_the_lighthouse(tmp
         assert "every replica group was stopped" in output
         assert [pid for pid in started if os.path.exists(f"/proc/{pid}") and _alive(pid)] == []
     finally:
-        _kill_everything(tag, proc)
-
-
-def _kill_everything(tag: str, proc: subprocess.Popen) -> None:
-    """SIGKILL every process started with ``tag`` (torchrun's workers run in sessions of their own) and the launcher."""
-    for pid in _processes_with(tag):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        kill_everything(tag, proc)
 
 
 def _alive(pid: int) -> bool:

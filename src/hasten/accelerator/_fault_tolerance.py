@@ -54,6 +54,28 @@ def skips_checkpoint_writes(accelerator: Any) -> bool:
     return not group.writes_checkpoints()
 
 
+def check_replica_layout(distributed_type: Any, parallelism_config: Any) -> None:
+    """Refuse, at ``prepare``, a layout inside the replica groups that the cross-group step cannot serve.
+
+    Works: DDP, FSDP2 and tensor parallel (any DTensor layout that is the same in every group), where each rank's
+    local gradient shards are averaged with the same rank of the other groups.
+
+    Raises:
+        ConfigurationError: DeepSpeed (its engine reduces the gradients and steps the optimizer itself, so
+            neither the cross-group average nor the commit vote can run between them), or pipeline parallel
+            (its stages step and hold state apart from hasten's prepared model; not supported in this version).
+    """
+    if distributed_type == "DEEPSPEED":
+        raise ConfigurationError("fault tolerance (replica groups) does not work with DeepSpeed: its engine reduces "
+                                 "the gradients and steps the optimizer itself, so hasten cannot average them over "
+                                 "the groups or hold the step for the quorum's commit. HINT: use FSDP2 "
+                                 "(--use_fsdp) inside each replica group.")
+    if parallelism_config is not None and getattr(parallelism_config, "pp_enabled", False):
+        raise ConfigurationError(f"fault tolerance (replica groups) does not support pipeline parallel inside a group "
+                                 f"(pp_size={parallelism_config.pp_size}) in this version. HINT: use FSDP2 or tensor "
+                                 "parallel inside each replica group, or pp_size=1.")
+
+
 class FaultToleranceMixin(AcceleratorBase):
     """The replica group of a fault-tolerant run, and the state a restarted group heals from."""
 
@@ -75,6 +97,7 @@ class FaultToleranceMixin(AcceleratorBase):
         from hasten.fault_tolerance.replica import ReplicaGroup
 
         assert self._fault_tolerance is not None
+        check_replica_layout(self.distributed_type, self.parallelism_config)  # type: ignore[attr-defined]
         if len(self._optimizers) > 1:
             raise ConfigurationError("fault tolerance commits one optimizer step per quorum: prepare one optimizer "
                                      f"(got {len(self._optimizers)}).")
@@ -90,42 +113,55 @@ class FaultToleranceMixin(AcceleratorBase):
         return group
 
     def _align_group_replicas(self) -> None:
-        """Give every process of this group its group rank 0's replicated weights (a broadcast in the group).
+        """Make each tensor this group replicates its group rank 0's copy (a collective of the group).
 
-        Called by the replica group after each quorum before the first commit (see ``ReplicaGroup.begin_step``):
-        there torchft may heal this group's ranks from different groups that started from different weights.
-        Sharded parameters (DTensors) are left alone: they are per rank, and each rank healed its own.
+        Called by the replica group after each quorum before the first commit (see ``ReplicaGroup.begin_step``).
+
+        While no step has committed, torchft heals group rank ``r`` of every group but the ``r``-th from the
+        quorum's ``r``-th group (its primary per rank, torchft 0.2.0 ``init_sync``), so when the groups start
+        from different weights a group's ranks load different groups' state.
+        Shards stay one consistent model over the groups, but a replicated tensor (DDP's parameters, the
+        ``Replicate`` dimensions of a DTensor, e.g. a row-wise TP layer's bias) would differ between the group's
+        ranks, and nothing would bring it back. Later heals copy from groups that all hold the same state.
         """
-        if self.num_processes == 1:  # type: ignore[attr-defined]
-            return
-        import torch
-        from torch.distributed.tensor import DTensor
+        from hasten.fault_tolerance.shards import align_replicated
 
-        from hasten.ops.collectives import broadcast
+        if self.num_processes > 1:  # type: ignore[attr-defined]
+            modules = [self.unwrap_model(model) for model in self._models]  # type: ignore[attr-defined]
+            align_replicated([tensor for module in modules for tensor in (*module.parameters(), *module.buffers())])
 
-        modules = [self.unwrap_model(model) for model in self._models]  # type: ignore[attr-defined]
-        replicated = [tensor.data for module in modules for tensor in (*module.parameters(), *module.buffers())
-                      if not isinstance(tensor, DTensor)]
-        if replicated:
-            with torch.no_grad():
-                broadcast(replicated, from_process=0)
+    def _average_replica_gradients(self) -> None:
+        """Average the step's gradients over the replica groups now (before clipping), not at the optimizer step.
+
+        Clipping then sees the gradient of the whole global batch, as in a run without replica groups; under
+        FSDP2 the strategy's norm also spans every shard of the group. No-op without replica groups.
+        """
+        if self._replica_group is not None:
+            self._replica_group.average_gradients(
+                [p for optimizer in self._optimizers for group in optimizer.optimizer.param_groups for p in group["params"]])
 
     def _replica_state(self) -> dict[str, Any]:
+        """The state a healing peer loads; sharded tensors (FSDP2, TP) as this rank's local shards."""
         from hasten.fault_tolerance.replica import rng_state
+        from hasten.fault_tolerance.shards import to_local_state
 
-        return {"models": [self.unwrap_model(model).state_dict() for model in self._models],  # type: ignore[attr-defined]
-                "optimizers": [optimizer.optimizer.state_dict() for optimizer in self._optimizers],
+        return {"models": [to_local_state(self.unwrap_model(model).state_dict())  # type: ignore[attr-defined]
+                           for model in self._models],
+                "optimizers": [to_local_state(optimizer.optimizer.state_dict()) for optimizer in self._optimizers],
                 "schedulers": [scheduler.state_dict() for scheduler in self._schedulers],
                 "loaders": [loader.state_dict() for loader in self._dataloaders if hasattr(loader, "state_dict")],
                 "rng": rng_state()}
 
     def _load_replica_state(self, state: dict[str, Any]) -> None:
         from hasten.fault_tolerance.replica import set_rng_state
+        from hasten.fault_tolerance.shards import model_state_from_local, optimizer_state_from_local
 
         for model, saved in zip(self._models, state["models"]):
-            self.unwrap_model(model).load_state_dict(saved)  # type: ignore[attr-defined]
+            inner = self.unwrap_model(model)  # type: ignore[attr-defined]
+            inner.load_state_dict(model_state_from_local(saved, inner.state_dict()))
         for optimizer, saved in zip(self._optimizers, state["optimizers"]):
-            optimizer.optimizer.load_state_dict(saved)
+            params = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+            optimizer.optimizer.load_state_dict(optimizer_state_from_local(saved, params))
         for scheduler, saved in zip(self._schedulers, state["schedulers"]):
             scheduler.load_state_dict(saved)
         loaders = [loader for loader in self._dataloaders if hasattr(loader, "state_dict")]
@@ -139,7 +175,9 @@ class FaultToleranceMixin(AcceleratorBase):
         from hasten.config.env import NUM_REPLICA_GROUPS_VAR, replica_group_env
         from hasten.fault_tolerance.data import ReplicaGroupLoader
 
-        return ReplicaGroupLoader(data_loader, self._attach_replica_group, self.process_index,  # type: ignore[attr-defined]
-                                  self.num_processes, self.device if placement else None,  # type: ignore[attr-defined]
+        # The group's data-parallel ranks read different samples; tensor/context-parallel ranks share theirs.
+        num_shards, shard_index = self._data_parallel_position()
+        return ReplicaGroupLoader(data_loader, self._attach_replica_group, shard_index, num_shards,
+                                  self.device if placement else None,  # type: ignore[attr-defined]
                                   num_groups=int(replica_group_env().get(NUM_REPLICA_GROUPS_VAR, "1")),
                                   accumulation_steps=lambda: self.gradient_accumulation_steps)

@@ -436,11 +436,13 @@ class Accelerator(TrackingMixin, ProcessControlMixin, CollectivesMixin, PrepareM
                 return torch.tensor(0.0)
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
         self.unscale_gradients()
+        self._average_replica_gradients()  # replica groups: clip the gradient of the whole global batch
         return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         """Clip gradients element-wise after unscaling."""
         self.unscale_gradients()
+        self._average_replica_gradients()
         self._strategy.clip_grad_value_(parameters, clip_value)
 
     # -------------------------------------------------------------------------------- utilities

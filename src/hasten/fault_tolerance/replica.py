@@ -35,6 +35,7 @@ from hasten.config.env import (
     replica_group_env,
 )
 from hasten.exceptions import ConfigurationError
+from hasten.fault_tolerance.shards import local_shard
 from hasten.fault_tolerance.timeouts import FaultToleranceConfig, Timeouts
 
 #: The key of hasten's state in torchft's healing checkpoint.
@@ -103,6 +104,7 @@ class ReplicaGroup:
             heartbeat_interval=timedelta(seconds=self.timeouts.heartbeat_interval))
         self.manager.register_state_dict_fn(STATE_KEY, apply_state, collect_state)
         self._open = False  # a quorum was started for the current step
+        self._averaged = False  # the current step's gradients were averaged over the groups
         self.healed = 0  # times this group loaded a peer's state
         self.steps_committed = 0
         self.steps_retried = 0
@@ -168,23 +170,36 @@ class ReplicaGroup:
         On False (a peer failed during the step) the gradients are left as they were and the step is
         retried with the next quorum.
         """
-        self.begin_step()
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            ok = self.manager.allreduce(flat).wait()
-            if ok:
-                offset = 0
-                for grad in grads:
-                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
+        self.average_gradients(params)
         committed = bool(self.manager.should_commit())
-        self._open = False
+        self._open = self._averaged = False
         if committed:
             self.steps_committed += 1
         else:
             self.steps_retried += 1
         return committed
+
+    def average_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        """Average the step's gradients over the quorum's groups, once per step (clipping calls it first).
+
+        Each rank averages its *local* shards (FSDP2 / tensor parallel inside a group): rank ``i`` of every group
+        holds the same shards, and torchft's managed process group connects the groups' rank ``i``. On an error
+        the gradients are left as they were; the step then does not commit.
+        """
+        self.begin_step()
+        if self._averaged:
+            return
+        self._averaged = True
+        with torch.no_grad():
+            grads = [local_shard(p.grad) for p in params if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads]) if grads else None
+            # Every group's rank i holds shards of the same sizes: all of them skip an empty one, or none does.
+            if flat is None or flat.numel() == 0 or not self.manager.allreduce(flat).wait():
+                return
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     def cursor(self) -> tuple[int, int, int]:
         """``(batches_committed, participant index, participants)`` of the current step's quorum."""
