@@ -37,8 +37,13 @@ def test_lora_model_in_the_ordinary_loop_under_pp_equals_one_process(tmp_path):
         assert seen["frozen_diff"] == 0.0, case
         assert seen["full_keys_equal"] and seen["full_diff"] <= 1e-6, case
         assert seen["adapter_keys_equal"] and seen["adapter_diff"] <= 1e-6, case
-        # without a state_dict, one stage's adapter would be written as the model's: refused on every stage
-        assert set(seen["save_pretrained_refused"]) == {"ConfigurationError"}, case
+        # without a state_dict: the main process of unsharded stages writes every stage's adapter (it reads the
+        # other stages' state itself); elsewhere one stage's adapter would be written as the model's: refused
+        sharded = "fsdp" in case
+        assert seen["save_pretrained_refused"] == ["ConfigurationError" if sharded else ""] + [
+            "ConfigurationError"] * (len(seen["save_pretrained_refused"]) - 1), case
+        if not sharded:
+            assert seen["alone_adapter_keys_equal"] and seen["alone_adapter_diff"] <= 1e-6, case
 
 
 PP_CONFIG = ("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nmixed_precision: 'no'\n"
