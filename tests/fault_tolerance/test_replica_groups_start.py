@@ -112,6 +112,7 @@ open(os.path.join(os.environ["FT_OUT"], "trained_alone"), "w").close()
 
 
 @pytest.mark.launch
+@pytest.mark.serial  # a wall-clock bound: run alone, after the parallel part of make test
 def test_a_group_that_never_comes_up_stops_the_run_with_a_clear_bounded_error(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(NEVER_STARTS)
