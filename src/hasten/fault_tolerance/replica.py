@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import socket
+import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -104,6 +105,7 @@ class ReplicaGroup:
             heartbeat_interval=timedelta(seconds=self.timeouts.heartbeat_interval))
         self.manager.register_state_dict_fn(STATE_KEY, apply_state, collect_state)
         self._open = False  # a quorum was started for the current step
+        self._started = False  # every launched group was in a quorum, or this group healed from a started run
         self._averaged = False  # the current step's gradients were averaged over the groups
         self.healed = 0  # times this group loaded a peer's state
         self.steps_committed = 0
@@ -120,6 +122,20 @@ class ReplicaGroup:
         """
         if self._open:
             return
+        self._join_quorum()
+        if not self._started:
+            self._wait_for_every_group()
+        self._open = True
+        if self.align_group is not None and self.manager.current_step() == 0:
+            # Before the first commit the groups may hold different weights, and torchft heals each group rank
+            # from the same rank of a source group, spreading the ranks over the sources (its group ranks are
+            # shards): a group of replicated processes could mix two groups' weights. Every group's rank 0
+            # healed from (or is) rank 0's source, so aligning each group on its rank 0 makes every process
+            # equal. After a commit every group holds the same state, and any source will do.
+            self.align_group()
+
+    def _join_quorum(self) -> None:
+        """One quorum of the Lighthouse, retried once when this whole group timed out (see :meth:`begin_step`)."""
         try:
             self.manager.start_quorum()
         except TimeoutError:
@@ -131,14 +147,40 @@ class ReplicaGroup:
             forget_failed_quorum(self.manager)
             self.quorums_retried += 1
             self.manager.start_quorum()  # a second timeout is raised: the Lighthouse or every other group is gone
-        self._open = True
-        if self.align_group is not None and self.manager.current_step() == 0:
-            # Before the first commit the groups may hold different weights, and torchft heals each group rank
-            # from the same rank of a source group, spreading the ranks over the sources (its group ranks are
-            # shards): a group of replicated processes could mix two groups' weights. Every group's rank 0
-            # healed from (or is) rank 0's source, so aligning each group on its rank 0 makes every process
-            # equal. After a commit every group holds the same state, and any source will do.
-            self.align_group()
+
+    def _wait_for_every_group(self) -> None:
+        """At start, take part in a step only with every launched group in the quorum (a bounded wait).
+
+        torchft's Lighthouse forms a quorum at once when every *heartbeating* group has joined, so a group whose
+        peers are still starting would commit steps alone, and if it then died nobody would hold them: the others
+        would start the epoch again and use those samples twice. While the quorum is at step 0 (no group has
+        committed), the quorum is joined again, with a growing pause, until it holds ``--replica_groups`` groups,
+        like torchrun's rendezvous waits for every node. After that (or when this group heals from one that has
+        committed) fewer groups may step. The wait is bounded by the initialisation timeout
+        (``collective_timeout``).
+
+        Raises:
+            TimeoutError: a launched group did not join within ``collective_timeout``.
+        """
+        deadline = time.monotonic() + self.timeouts.collective
+        pause = self.timeouts.heartbeat_interval
+        while self.manager.current_step() == 0 and self.manager.num_participants() < self.num_groups:
+            here = self.manager.num_participants()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"replica group {self.group_id}: only {here} of {self.num_groups} replica groups joined the first "
+                    f"quorum within collective_timeout={self.timeouts.collective:g} s; a run starts only with every "
+                    "group (--replica_groups). HINT: see the missing group's error above, or raise "
+                    "--collective_timeout if the groups start slowly.")
+            if pause == self.timeouts.heartbeat_interval:  # the first pause: say so once
+                logger.warning("replica group %d: waiting for every replica group to join the first quorum (%d of %d "
+                               "here, at most %g s)", self.group_id, here, self.num_groups, self.timeouts.collective)
+            # A pause, not a spin of quorums of one: while this group is out of the Lighthouse's quorum, a joining
+            # group cannot form one alone (fewer than half of the heartbeating groups), and the next join meets it.
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(2 * pause, 1.0, self.timeouts.heartbeat)
+            self._join_quorum()
+        self._started = True
 
     def _whole_group_timed_out(self) -> bool:
         """Whether every process of this group reached the same timed-out quorum, within ``step_timeout``.
