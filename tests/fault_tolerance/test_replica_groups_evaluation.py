@@ -20,17 +20,14 @@ QUORUM_TIMEOUT = 120
 EVAL_SAMPLES = 37  # not a multiple of any group's global batch: the last batch is padded, gather_for_metrics cuts it
 
 SCRIPT = '''
-import dataclasses, json, os, socket, time
+import json, os, socket, time
 from urllib.parse import urlparse
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from hasten import Accelerator
-from hasten.fault_tolerance import FaultToleranceConfig
 
 out = os.environ["FT_OUT"]
-# Both groups in every committed step (a group alone does not commit; it waits for the other to join).
-config = FaultToleranceConfig.from_json(os.environ["HASTEN_FAULT_TOLERANCE"])
-accelerator = Accelerator(cpu=True, fault_tolerance=dataclasses.replace(config, min_replicas=2))
+accelerator = Accelerator(cpu=True)  # --min_replicas 2: both groups in every committed step
 group, rank = os.environ["HASTEN_REPLICA_GROUP"], accelerator.process_index
 torch.manual_seed(0)
 features, truth = torch.randn(96, 8), torch.randn(8, 1)
@@ -89,7 +86,7 @@ def evaluated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     script = out / "evaluate.py"
     script.write_text(SCRIPT)
     code, output = run_launch(out, script, "--num_processes", str(request.param), "--replica_groups", "2",
-                              "--step_timeout", "5", "--quorum_timeout", str(QUORUM_TIMEOUT))
+                              "--step_timeout", "5", "--quorum_timeout", str(QUORUM_TIMEOUT), "--min_replicas", "2")
     assert code == 0, output[-4000:]
     return out, request.param // 2, output
 

@@ -27,17 +27,13 @@ SAMPLES = 128
 PORT = 29531  # fixed ports are safe here: each test's namespaces are new and hold nothing else
 
 TRAIN = '''
-import dataclasses, hashlib, json, os
+import hashlib, json, os
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from hasten import Accelerator
-from hasten.fault_tolerance import FaultToleranceConfig
 
 out = os.environ["FT_OUT"]
-# Every group in every committed step: a group alone does not commit, it waits for the others to join.
-config = FaultToleranceConfig.from_json(os.environ["HASTEN_FAULT_TOLERANCE"])
-groups = int(os.environ["HASTEN_NUM_REPLICA_GROUPS"])
-accelerator = Accelerator(cpu=True, fault_tolerance=dataclasses.replace(config, min_replicas=groups))
+accelerator = Accelerator(cpu=True)  # --min_replicas 4: every group in every committed step
 group, rank = os.environ["HASTEN_REPLICA_GROUP"], accelerator.process_index
 torch.manual_seed(0)
 features = torch.randn(SAMPLES_HERE, 8)
@@ -65,7 +61,7 @@ with open(os.path.join(out, f"final_g{group}_r{rank}.json"), "w") as f:
 def _flags(machines: list[Any], rank: int) -> list[str]:
     return ["--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "4", "--replica_groups", "4",
             "--main_process_ip", machines[0].ip, "--main_process_port", str(PORT), "--step_timeout", "5",
-            "--quorum_timeout", "120"]
+            "--quorum_timeout", "120", "--min_replicas", "4"]
 
 
 def _env(tag: str, out: Path) -> dict[str, str]:
@@ -153,3 +149,14 @@ def test_a_group_spanning_machines_is_refused_with_the_values_and_the_fix(tmp_pa
     assert "--replica_groups=3 over --num_machines=2" in proc.stderr, proc.stderr
     assert "3 is not a multiple of 2" in proc.stderr
     assert "pass --replica_groups 2 or 6" in proc.stderr
+
+
+def test_min_replicas_above_the_groups_is_refused(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes", "2",
+                           "--replica_groups", "2", "--min_replicas", "3", "--dry_run", str(script)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--min_replicas=3 is more than --replica_groups=2" in proc.stderr, proc.stderr

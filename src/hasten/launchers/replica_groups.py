@@ -80,6 +80,9 @@ def plan_replica_groups(plan: LaunchPlan, options: LaunchOptions) -> None:
             f"{' or '.join(map(str, fits[:4]))} (--replica_groups {machines}: one group per machine).")
     config = options.fault_tolerance or FaultToleranceConfig()
     config.timeouts(options.collective_timeout)  # refused here, at start, naming both values
+    if config.min_replicas > groups:
+        raise ConfigurationError(f"--min_replicas={config.min_replicas} is more than --replica_groups={groups}: no "
+                                 f"step could commit. HINT: pass at most {groups}.")
     import importlib.util
 
     if importlib.util.find_spec("torchft") is None:
