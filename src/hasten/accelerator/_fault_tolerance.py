@@ -4,7 +4,7 @@ On when ``fault_tolerance`` is given or the process was started by ``hasten laun
 replica group (torchft's Manager, :mod:`hasten.fault_tolerance.replica`) is built at the first ``prepare`` that
 holds an optimizer, and joins its first quorum there, so that a restarted group heals before its first forward.
 The prepared optimizers then step only when the quorum commits; prepared data loaders read at the global cursor
-(:mod:`hasten.fault_tolerance.data`).
+(:mod:`hasten.fault_tolerance.data`) when training, and this group's shard of the whole set when evaluating.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class FaultToleranceMixin(AcceleratorBase):
         if self._replica_group is not None:
             self._replica_group.healed += 1
 
-    def _replica_group_loader(self, data_loader: Any, placement: bool) -> Any:
+    def _replica_group_loader(self, data_loader: Any, placement: bool, evaluation_loader: Any) -> Any:
         from hasten.config.env import NUM_REPLICA_GROUPS_VAR, replica_group_env
         from hasten.fault_tolerance.data import ReplicaGroupLoader
 
@@ -180,4 +180,23 @@ class FaultToleranceMixin(AcceleratorBase):
         return ReplicaGroupLoader(data_loader, self._attach_replica_group, shard_index, num_shards,
                                   self.device if placement else None,  # type: ignore[attr-defined]
                                   num_groups=int(replica_group_env().get(NUM_REPLICA_GROUPS_VAR, "1")),
-                                  accumulation_steps=lambda: self.gradient_accumulation_steps)
+                                  accumulation_steps=lambda: self.gradient_accumulation_steps,
+                                  evaluation_loader=evaluation_loader, evaluating=self._evaluating,
+                                  optimizer_steps=self._optimizer_steps_voted)
+
+    def _evaluating(self) -> bool:
+        """Whether a prepared loader iterated now is an evaluation pass (docs/fault-tolerance.md, Evaluation).
+
+        True when gradients are off (``torch.no_grad()``/``inference_mode()``) or every prepared model is in eval
+        mode (``model.eval()``): as in Accelerate's examples and the Trainer's evaluation loop.
+        """
+        import torch
+
+        if not torch.is_grad_enabled():
+            return True
+        return bool(self._models) and not any(model.training for model in self._models)
+
+    def _optimizer_steps_voted(self) -> int:
+        """Optimizer steps this group voted on so far (committed or not); 0 before the replica group exists."""
+        group = self._replica_group
+        return 0 if group is None else group.steps_committed + group.steps_retried

@@ -178,17 +178,26 @@ class PrepareMixin(AcceleratorBase):
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> torch.utils.data.DataLoader:
         """Shard ``data_loader`` across processes and move its batches to the device."""
-        from hasten.data import prepare_data_loader
-
         if getattr(data_loader, "_is_accelerate_prepared", False):
             if data_loader not in self._dataloaders:
                 self._dataloaders.append(data_loader)
             return data_loader
         placement = self.device_placement if device_placement is None else device_placement
         if self._fault_tolerance is not None:  # type: ignore[attr-defined]  # batches at the groups' global cursor
-            ft_loader = self._replica_group_loader(data_loader, placement)  # type: ignore[attr-defined]
+            # ... when training; an evaluation pass reads the sharded loader over this group's processes.
+            evaluation = self._shard_data_loader(data_loader, placement, slice_fn_for_dispatch)
+            ft_loader = self._replica_group_loader(data_loader, placement, evaluation)  # type: ignore[attr-defined]
             self._dataloaders.append(ft_loader)
             return ft_loader  # type: ignore[no-any-return]
+        prepared = self._shard_data_loader(data_loader, placement, slice_fn_for_dispatch)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def _shard_data_loader(self, data_loader: torch.utils.data.DataLoader, placement: bool,
+                           slice_fn_for_dispatch: Any) -> torch.utils.data.DataLoader:
+        """``data_loader`` sharded over the data-parallel processes (of this replica group, under fault tolerance)."""
+        from hasten.data import prepare_data_loader
+
         config = self.dataloader_config
         # Under tensor/context parallelism the ranks of one group read the same batches.
         num_shards, shard_index = self._data_parallel_position()
@@ -200,5 +209,4 @@ class PrepareMixin(AcceleratorBase):
             data_seed=config.data_seed, non_blocking=config.non_blocking,
             use_stateful_dataloader=config.use_stateful_dataloader)
         prepared._is_accelerate_prepared = True
-        self._dataloaders.append(prepared)
         return prepared

@@ -140,6 +140,8 @@ FLAGS: tuple[tuple[str, str | None, str | None, dict[str, Any], str], ...] = (
         ("quorum_timeout", "seconds a group waits for a quorum"),
         ("connect_timeout", "seconds to connect to the Lighthouse and peers"))),
     ("--group_restarts", None, None, {"type": int}, "--replica_groups: restarts of lost groups (default 3)."),
+    ("--min_replicas", None, None, {"type": int}, "--replica_groups: the fewest groups a step commits with "
+     "(default 1), for the Lighthouse and every group alike."),
     ("--role", None, None, {"default": "default"}, "torchrun worker role."),
     ("-t", None, None, {"dest": "tee", "default": "0"}, "torchrun --tee."),
     ("--log_dir", None, None, {}, "torchrun log folder."),
@@ -261,7 +263,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 def _fault_tolerance(args: argparse.Namespace) -> Any:
     """``--step_timeout`` and the other timeouts as a FaultToleranceConfig (None when none was given)."""
-    names = ("step_timeout", "heartbeat_timeout", "join_timeout", "quorum_timeout", "connect_timeout")
+    names = ("step_timeout", "heartbeat_timeout", "join_timeout", "quorum_timeout", "connect_timeout", "min_replicas")
     given = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     if not given and not args.lighthouse:
         return None

@@ -10,11 +10,16 @@ micro-batches, participant ``i`` reads group-batches ``k * i .. k * i + k - 1`` 
 The epoch ends, on every group at the same step, when the cursor passes the end of the order. On the epoch's last step, participants whose group-batch lies
 past the end read the order's first samples again (as Accelerate's ``even_batches``) and
 :attr:`ReplicaGroupLoader.padded` says so: those samples count twice in that one step.
+
+Evaluation reads no cursor: a pass that starts with gradients off or every prepared model in eval mode iterates the
+loader as Accelerate prepares it without replica groups, sharded over this group's own processes, so every group
+evaluates the whole set, ``gather_for_metrics`` inside the group sees each sample once, and no quorum is joined
+(another group's failure cannot stall it). An optimizer step during such a pass is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,11 +45,17 @@ class ReplicaGroupLoader:
         device: where batches go (None: left where the collate function put them).
         num_groups: the launch's replica groups (for ``len``).
         accumulation_steps: the current gradient accumulation steps (micro-batches per optimizer step).
+        evaluation_loader: the same loader sharded over this group's processes only (Accelerate's usual prepared
+            loader); iterated instead, whole, when ``evaluating()`` says so as an iteration starts.
+        evaluating: whether an iteration starting now is an evaluation pass (no optimizer step between batches).
+        optimizer_steps: the group's optimizer steps so far (an evaluation pass checks that none is taken).
     """
 
     def __init__(self, loader: DataLoader, replica_group: Any, process_index: int, num_processes: int,
                  device: torch.device | None, num_groups: int = 1,
-                 accumulation_steps: Callable[[], int] = lambda: 1) -> None:
+                 accumulation_steps: Callable[[], int] = lambda: 1, evaluation_loader: Iterable[Any] | None = None,
+                 evaluating: Callable[[], bool] = lambda: False,
+                 optimizer_steps: Callable[[], int] = lambda: 0) -> None:
         if loader.batch_size is None or not hasattr(loader.dataset, "__len__"):
             raise ConfigurationError("fault tolerance reads batches at a global cursor: the DataLoader needs a "
                                      "map-style dataset (with __len__) and a batch_size (not a batch_sampler).")
@@ -59,6 +70,7 @@ class ReplicaGroupLoader:
         self.process_index, self.num_processes = process_index, num_processes
         self.device = device
         self.num_groups, self.accumulation_steps = num_groups, accumulation_steps
+        self.evaluation_loader, self.evaluating, self.optimizer_steps = evaluation_loader, evaluating, optimizer_steps
         #: the epoch being read and the cursor (group-batches committed) at its start; healed from peers
         self.epoch = 0
         self.epoch_start = 0
@@ -69,7 +81,10 @@ class ReplicaGroupLoader:
         self._is_accelerate_prepared = True
 
     def __len__(self) -> int:
-        """Batches of a whole epoch if every group took part (a failure makes an epoch longer)."""
+        """Batches of a whole epoch if every group took part (a failure makes an epoch longer); when evaluating,
+        the batches of this process's shard of the whole set."""
+        if self.evaluation_loader is not None and self.evaluating():
+            return len(self.evaluation_loader)  # type: ignore[arg-type]
         per_step = self.batch_size * self.num_processes * max(1, self.num_groups)
         return -(-len(self.dataset) // per_step)  # type: ignore[arg-type]
 
@@ -104,6 +119,26 @@ class ReplicaGroupLoader:
         self.epoch, self.epoch_start = int(state["epoch"]), int(state["epoch_start"]) + shift
 
     def __iter__(self) -> Iterator[Any]:
+        """An evaluation pass when ``evaluating()`` (decided here, once per pass), else the training batches."""
+        if self.evaluation_loader is not None and self.evaluating():
+            return self._evaluation_batches(self.evaluation_loader)
+        return self._training_batches()
+
+    def _evaluation_batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """The whole set over this group's processes: no quorum, nothing read from or sent to another group."""
+        steps = self.optimizer_steps()
+        self.padded, self.last_indices = False, []
+        for batch in loader:
+            yield batch
+            if self.optimizer_steps() != steps:
+                raise ConfigurationError(
+                    "an optimizer step was taken during an evaluation pass over a loader prepared under fault "
+                    "tolerance (the pass started with every prepared model in eval mode, or with gradients off): "
+                    "such a pass reads the whole set on every replica group, so training on it would use each "
+                    "sample once per group. HINT: call model.train() before iterating a training loader, "
+                    "model.eval() before an evaluation one.")
+
+    def _training_batches(self) -> Iterator[Any]:
         group = self._group()
         size = len(self.dataset)  # type: ignore[arg-type]
         block = self.batch_size * self.num_processes  # one group's samples per micro-batch
@@ -118,8 +153,8 @@ class ReplicaGroupLoader:
                 raise ConfigurationError(
                     f"a data loader prepared under fault tolerance follows the committed optimizer steps, but "
                     f"{micro + 1} batches were read without an optimizer.step() (gradient_accumulation_steps="
-                    f"{steps}). HINT: step the prepared optimizer after every {steps} batch(es); evaluate with a "
-                    "DataLoader that is not prepared.")
+                    f"{steps}). HINT: step the prepared optimizer after every {steps} batch(es); to evaluate, call "
+                    "model.eval() (or iterate under torch.no_grad()) before the loop.")
             # The local count first: after the epoch's last commit no quorum is joined (peers may have left).
             if micro == 0 and (group.manager.batches_committed() - self.epoch_start) * steps * block >= size:
                 break

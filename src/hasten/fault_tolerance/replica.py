@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import random
-import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 import torch
 
@@ -35,7 +34,8 @@ from hasten.config.env import (
     rendezvous_store,
     replica_group_env,
 )
-from hasten.exceptions import ConfigurationError
+from hasten.environments.network import bind_address
+from hasten.exceptions import ConfigurationError, LaunchError
 from hasten.fault_tolerance.shards import local_shard
 from hasten.fault_tolerance.timeouts import FaultToleranceConfig, Timeouts
 
@@ -94,11 +94,10 @@ class ReplicaGroup:
             pg = torchft.ProcessGroupNCCL(timeout=step)
         else:
             pg = torchft.ProcessGroupGloo(timeout=step)
-        host = urlparse(lighthouse).hostname or ""
-        # The address peers fetch a healing checkpoint from: loopback when the whole run is on this machine.
-        hostname = "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else socket.gethostname()
+        hostname = advertised_address(lighthouse)
         self.manager = torchft.Manager(
             pg=pg, load_state_dict=None, state_dict=None, min_replica_size=config.min_replicas,
+            checkpoint_transport=_checkpoint_transport(torchft, hostname, step),
             use_async_quorum=False, timeout=step, quorum_timeout=timedelta(seconds=self.timeouts.quorum),
             connect_timeout=timedelta(seconds=self.timeouts.connect), lighthouse_addr=lighthouse,
             replica_id=f"hasten_{self.group_id}", hostname=hostname,
@@ -261,6 +260,41 @@ class ReplicaGroup:
         self.manager.shutdown(wait=False)
 
 
+def advertised_address(lighthouse: str) -> str:
+    """The address other groups reach this group at (its Manager, its healing checkpoint).
+
+    Loopback when the Lighthouse is on this machine's loopback (the whole run is here); else the local address that
+    routes to the Lighthouse: on several machines, the one this machine faces machine 0 with, which is where its
+    group's store listens too (not the host name, which may resolve to loopback or to another network).
+    """
+    host = urlparse(lighthouse).hostname or ""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    try:
+        return bind_address(host, 2)
+    except LaunchError as exc:
+        raise ConfigurationError(f"fault tolerance: the Lighthouse {lighthouse} cannot be reached from this "
+                                 f"machine ({exc})") from exc
+
+
+def _checkpoint_transport(torchft: Any, host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (as the Manager makes it), advertising ``host`` instead of the host name.
+
+    torchft 0.2.0 advertises ``socket.gethostname()``: a peer on another machine cannot fetch a healing checkpoint
+    when that name resolves to loopback there. Returns None (torchft's own) when ``host`` is loopback.
+    """
+    if host == "127.0.0.1":
+        return None
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class AdvertisedHTTPTransport(HTTPTransport):  # type: ignore[misc]
+        def address(self) -> str:
+            url = urlsplit(super().address())  # http://<host name>:<port>/checkpoint/
+            return urlunsplit(url._replace(netloc=f"{host}:{url.port}"))
+
+    return AdvertisedHTTPTransport(timeout=timeout, num_chunks=0)
+
+
 def rng_state() -> dict[str, Any]:
     """Python's and torch's RNG states, in a form torchft's checkpoint transport carries."""
     version, internal, gauss = random.getstate()
@@ -274,4 +308,4 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-__all__ = ["ReplicaGroup", "config_from_env", "rng_state", "set_rng_state"]
+__all__ = ["ReplicaGroup", "advertised_address", "config_from_env", "rng_state", "set_rng_state"]
