@@ -85,9 +85,10 @@ def evaluated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     out = tmp_path_factory.mktemp("evaluation")
     script = out / "evaluate.py"
     script.write_text(SCRIPT)
-    code, output = run_launch(out, script, "--num_processes", str(request.param), "--replica_groups", "2",
+    proc = run_launch(out, script, "--num_processes", str(request.param), "--replica_groups", "2",
                               "--step_timeout", "5", "--quorum_timeout", str(QUORUM_TIMEOUT), "--min_replicas", "2")
-    assert code == 0, output[-4000:]
+    output = proc.stdout
+    assert proc.returncode == 0, output[-4000:]
     return out, request.param // 2, output
 
 

@@ -15,14 +15,21 @@ import os
 import re
 import signal
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers.torchft_launch import ROOT, kill_everything, processes_with, run_launch, torchft_python
+from helpers.replica_group_runs import (
+    ROOT,
+    TAG_VAR,
+    kill_tagged,
+    new_tag,
+    processes_with,
+    run_launch,
+    torchft_python,
+)
 
 SAMPLES = 512  # group 0 alone needs ~100 steps after the kill: room for the restart on a loaded machine
 
@@ -317,8 +324,8 @@ def test_dry_run_shows_the_groups_and_their_settings(tmp_path: Path) -> None:
 def test_sigterm_to_the_launcher_stops_every_group_worker_and_the_lighthouse(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAIN.replace('group == "1"', "False"))  # no kill: a run that is still training
-    tag = f"HASTEN_FT_TEST_RUN={uuid.uuid4().hex}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "FT_OUT": str(tmp_path), tag.split("=")[0]: tag.split("=")[1]}
+    tag = new_tag()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "FT_OUT": str(tmp_path), TAG_VAR: tag}
     proc = subprocess.Popen([torchft_python(), "-m", "hasten.commands.main", "launch", "--cpu", "--num_processes",
                              "2", "--replica_groups", "2", "--step_timeout", "5", str(script)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -335,7 +342,7 @@ def test_sigterm_to_the_launcher_stops_every_group_worker_and_the_lighthouse(tmp
         assert "every replica group was stopped" in output
         assert [pid for pid in started if os.path.exists(f"/proc/{pid}") and _alive(pid)] == []
     finally:
-        kill_everything(tag, proc)
+        kill_tagged(tag, [proc])
 
 
 def _alive(pid: int) -> bool:

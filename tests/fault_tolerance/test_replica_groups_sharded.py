@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.torchft_launch import run_launch
+from helpers.replica_group_runs import run_launch
 
 SAMPLES = 192
 #: with the kill: group 0 alone needs ~60 steps after it, room for group 1's restart on a loaded machine

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.torchft_launch import run_launch
+from helpers.replica_group_runs import run_launch
 
 SAMPLES = 160
 

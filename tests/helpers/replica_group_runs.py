@@ -99,12 +99,14 @@ def finish(procs: Sequence[subprocess.Popen[str]], tag: str, timeout: float) -> 
     return results
 
 
-def run_launch(out: Path, script: Path, *flags: str, timeout: float = 300) -> tuple[int | None, str]:
-    """``hasten launch FLAGS script`` on this machine with ``FT_OUT=out``: its exit code and output."""
+def run_launch(out: Path, script: Path, *flags: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``hasten launch --cpu FLAGS script`` on this machine with ``FT_OUT=out`` (output merged into stdout);
+    every process it started is gone afterwards."""
     tag = new_tag()
     proc = subprocess.Popen([*launch_argv(*flags), str(script)], env=launch_env(tag, {"FT_OUT": str(out)}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    return finish([proc], tag, timeout)[0]
+    code, output = finish([proc], tag, timeout)[0]
+    return subprocess.CompletedProcess(proc.args, code if code is not None else -1, output, "")
 
 
 __all__ = ["ROOT", "TAG_VAR", "finish", "kill_tagged", "launch_argv", "launch_env", "new_tag", "processes_with",

@@ -546,10 +546,9 @@ def test_a_plain_optimizer_state_of_the_full_model_loads_onto_each_stage(tmp_pat
             assert torch.allclose(weights[name], weight, rtol=0, atol=1e-6), name
 
 
-def _stages_a_step_apart():
-    """Rank 1 steps its optimizer once more on its own; the main process then asks for the state after its step."""
+def _two_stages_after_one_step():
+    """pp_size=2 over the test model, prepared and stepped once: (accelerator, model, optimizer, one batch)."""
     from hasten import Accelerator, ParallelismConfig
-    from hasten.exceptions import CheckpointError
 
     config = ParallelismConfig(pp_size=2, pp_microbatches=2, pp_split_points=["2"])
     accelerator = Accelerator(parallelism_config=config, cpu=True)
@@ -558,6 +557,14 @@ def _stages_a_step_apart():
     x, y = _data()[0]
     accelerator.backward(model(x, labels=y))
     optimizer.step()
+    return accelerator, model, optimizer, (x, y)
+
+
+def _stages_a_step_apart():
+    """Rank 1 steps its optimizer once more on its own; the main process then asks for the state after its step."""
+    from hasten.exceptions import CheckpointError
+
+    accelerator, _model_, optimizer, _batch = _two_stages_after_one_step()
     if accelerator.process_index == 1:
         optimizer.step()
     torch.distributed.barrier()
@@ -602,15 +609,7 @@ def test_a_state_snapshot_waits_for_its_step_within_the_bound():
 
 def _stage_one_fails():
     """Rank 1 raises after one step; the main process then runs a step that needs it."""
-    from hasten import Accelerator, ParallelismConfig
-
-    config = ParallelismConfig(pp_size=2, pp_microbatches=2, pp_split_points=["2"])
-    accelerator = Accelerator(parallelism_config=config, cpu=True)
-    model = _model(own_loss=False)
-    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05), loss_fn=F.mse_loss)
-    x, y = _data()[0]
-    accelerator.backward(model(x, labels=y))
-    optimizer.step()
+    accelerator, model, _optimizer, (x, y) = _two_stages_after_one_step()
     if accelerator.process_index == 1:
         raise RuntimeError("stage 1 failed on purpose")
     accelerator.backward(model(x, labels=y))
