@@ -28,6 +28,9 @@ def test_lora_model_in_the_ordinary_loop_under_pp_equals_one_process(tmp_path):
     report = _result(run([hf_python(), str(SCRIPTS / "pp_peft_loop.py"), str(tmp_path)], tmp_path, timeout=600))
     for refused in report.pop("prompt_tuning"):  # on every process, at prepare, saying why
         assert refused.startswith("ConfigurationError") and "virtual tokens" in refused, refused
+    refused = report.pop("several_stages")  # a schedule with several stages per process: one line, the fix
+    assert refused.startswith("ConfigurationError") and "one stage per process only" in refused, refused
+    assert "pp_schedule='1F1B'" in refused, refused
     assert sorted(report) == ["tied=False pp=2", "tied=False pp=2 fsdp=2", "tied=False pp=3", "tied=True pp=2"]
     for case, seen in report.items():
         assert seen["grad_names_equal"] and seen["trainable_only_lora"], case

@@ -131,6 +131,17 @@ def prompt_tuning_refused():
     return "prepared"
 
 
+def several_stages_refused():
+    """A PEFT model is cut into one stage per process only: several (Interleaved1F1B's) are refused, saying why."""
+    from hasten.strategies.pipeline_hf import cut_transformers_stages
+
+    try:
+        cut_transformers_stages(lora_llama(False), None, [0, 2], 4)
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return "cut"
+
+
 def largest(pairs):
     return max((float((a - b).abs().max()) for a, b in pairs), default=0.0)
 
@@ -168,6 +179,7 @@ def main():
             "trainable_only_lora": all(all("lora_" in n for n in r[5]) for r in ranks),
         }
     report["prompt_tuning"] = run_on_ranks(prompt_tuning_refused, world_size=2, timeout=60)
+    report["several_stages"] = several_stages_refused()
     print("RESULT " + json.dumps(report), flush=True)
 
 
