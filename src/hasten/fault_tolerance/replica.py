@@ -162,7 +162,7 @@ class ReplicaGroup:
             TimeoutError: a launched group did not join within ``collective_timeout``.
         """
         deadline = time.monotonic() + self.timeouts.collective
-        pause = self.timeouts.heartbeat_interval
+        pause, warned = self.timeouts.heartbeat_interval, False
         while self.manager.current_step() == 0 and self.manager.num_participants() < self.num_groups:
             here = self.manager.num_participants()
             if time.monotonic() >= deadline:
@@ -171,7 +171,8 @@ class ReplicaGroup:
                     f"quorum within collective_timeout={self.timeouts.collective:g} s; a run starts only with every "
                     "group (--replica_groups). HINT: see the missing group's error above, or raise "
                     "--collective_timeout if the groups start slowly.")
-            if pause == self.timeouts.heartbeat_interval:  # the first pause: say so once
+            if not warned:  # say so once
+                warned = True
                 logger.warning("replica group %d: waiting for every replica group to join the first quorum (%d of %d "
                                "here, at most %g s)", self.group_id, here, self.num_groups, self.timeouts.collective)
             # A pause, not a spin of quorums of one: while this group is out of the Lighthouse's quorum, a joining

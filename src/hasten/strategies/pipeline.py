@@ -577,4 +577,4 @@ class PipelineStrategy(Strategy):
                               "save after the optimizer step (when accelerator.sync_gradients is True).")
 
 
-__all__ = ["PipelineStrategy", "PipelinedModel", "check_divisible"]
+__all__ = ["PipelineStrategy", "PipelinedModel"]

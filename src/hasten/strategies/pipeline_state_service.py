@@ -254,10 +254,14 @@ class PipelineStates:
         """What this stage's server answers: its weights, or optimizer ``index``'s state, by full-model names."""
         assert self.stage is not None
         if code == MODEL:
-            return {key: value.detach().cpu() for key, value in self.stage.state_dict().items()}
+            return self._stage_weights(self.stage)
         if code == OPTIMIZER:
             return named_optimizer_state(self.stage, self.optimizers[index])
         raise CheckpointError(f"unknown state request {code}")
+
+    @staticmethod
+    def _stage_weights(stage: nn.Module) -> dict[str, torch.Tensor]:
+        return {key: value.detach().cpu() for key, value in stage.state_dict().items()}
 
     def _main(self) -> StageStateService | None:
         return self.service if self.service is not None and self.service.is_main else None
@@ -267,7 +271,7 @@ class PipelineStates:
         service = self._main()
         if service is None or self.stage is None:
             return None
-        merged = {key: value.detach().cpu() for key, value in self.stage.state_dict().items()}
+        merged = self._stage_weights(self.stage)
         for part in service.fetch(MODEL):
             merged.update(part)
         return merged
